@@ -1,0 +1,106 @@
+"""The Optimizer object itself: pytree structure, names, init, copies."""
+
+from __future__ import annotations
+
+import copy
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import treeopt
+
+PARAMS = {
+    "encoder": {"layers_0": {"kernel": jnp.ones((2, 3)), "bias": jnp.zeros(3)}},
+    "steps_seen": jnp.int32(0),
+    "blocks": [jnp.ones(2), jnp.ones(2)],
+}
+
+
+def test_uninitialized_optimizer_is_a_pytree_with_no_leaves():
+    opt = treeopt.Optimizer(optax.adam(1e-3))
+    assert not opt.initialized
+    assert jax.tree.leaves(opt) == []
+    assert "initialized=False" in repr(opt)
+
+
+def test_init_returns_a_new_optimizer_and_leaves_self_alone():
+    opt = treeopt.Optimizer(optax.adam(1e-3))
+    ready = opt.init(PARAMS)
+    assert ready is not opt and ready.initialized and not opt.initialized
+    assert int(ready.step) == 0 and ready.step.dtype == jnp.int32
+
+
+def test_paths_name_the_float_leaves_only():
+    opt = treeopt.Optimizer(optax.adam(1e-3)).init(PARAMS)
+    assert opt.paths == ("blocks/0", "blocks/1", "encoder/layers_0/bias", "encoder/layers_0/kernel")
+
+
+def test_state_is_keyed_by_name():
+    opt = treeopt.Optimizer(optax.adam(1e-3)).init(PARAMS)
+    adam_state = opt.opt_state[0]
+    assert set(adam_state.mu) == set(opt.paths)
+    assert adam_state.mu["encoder/layers_0/kernel"].shape == (2, 3)
+
+
+def test_leaves_are_step_and_state_with_readable_key_paths():
+    opt = treeopt.Optimizer(optax.sgd(0.1, momentum=0.9)).init(PARAMS)
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(opt)[0]]
+    assert paths[0] == ".step"
+    assert any("encoder/layers_0/kernel" in p for p in paths)
+    assert all(isinstance(leaf, jax.Array) for leaf in jax.tree.leaves(opt))
+
+
+def test_equal_layouts_from_separate_inits_share_one_compilation():
+    traces = 0
+
+    @jax.jit
+    def count(opt):
+        nonlocal traces
+        traces += 1
+        return opt
+
+    tx = optax.adam(1e-3)
+    count(treeopt.Optimizer(tx).init(PARAMS))
+    fresh = jax.tree.map(lambda x: x + 0, PARAMS)  # same layout, other arrays
+    count(treeopt.Optimizer(tx).init(fresh))
+    assert traces == 1
+    assert jax.tree.structure(treeopt.Optimizer(tx).init(PARAMS)) == jax.tree.structure(
+        treeopt.Optimizer(tx).init(fresh)
+    )
+
+
+def test_wrt_glob_freezes_unselected_float_leaves():
+    opt = treeopt.Optimizer(optax.sgd(1.0), wrt="encoder/*").init(PARAMS)
+    assert opt.paths == ("encoder/layers_0/bias", "encoder/layers_0/kernel")
+    grads = jax.tree.map(jnp.ones_like, PARAMS)
+    new = opt.update(grads, PARAMS)
+    np.testing.assert_array_equal(new["blocks"][0], PARAMS["blocks"][0])
+    np.testing.assert_array_equal(new["encoder"]["layers_0"]["kernel"], 0.0)
+    assert new["steps_seen"] is PARAMS["steps_seen"]
+
+
+def test_wrt_callable_sees_name_and_leaf():
+    seen = []
+
+    def pick(name, leaf):
+        seen.append(name)
+        return name.startswith("blocks") and leaf.ndim == 1
+
+    opt = treeopt.Optimizer(optax.sgd(1.0), wrt=pick).init(PARAMS)
+    assert opt.paths == ("blocks/0", "blocks/1")
+    assert "steps_seen" in seen
+
+
+def test_copies_are_independent():
+    opt = treeopt.Optimizer(optax.adam(1e-3)).init(PARAMS)
+    shallow, deep = copy.copy(opt), copy.deepcopy(opt)
+    shallow.update(jax.tree.map(jnp.ones_like, PARAMS), PARAMS)
+    assert int(shallow.step) == 1 and int(opt.step) == 0 and int(deep.step) == 0
+    assert deep.paths == opt.paths
+
+
+def test_repr_shows_transformation_step_and_size():
+    opt = treeopt.Optimizer(optax.adamw(1e-3)).init(PARAMS)
+    assert repr(opt) == "Optimizer(tx=chain, step=0, params=4)"

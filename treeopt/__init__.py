@@ -1,0 +1,28 @@
+"""treeopt: an optax optimizer that is a PyTree holding its own state.
+
+Example:
+    >>> import jax, jax.numpy as jnp, optax, treeopt
+    >>> params = {"w": jnp.ones(3)}
+    >>> opt = treeopt.Optimizer(optax.adam(1e-3)).init(params)
+    >>> params = opt.update(jax.grad(lambda p: jnp.sum(p["w"] ** 2))(params), params)
+"""
+
+from treeopt import partitioning, serialization  # serialization registers Optimizer with flax
+from treeopt._paths import leaf_names
+from treeopt.hyperparams import get_hyperparams, set_hyperparams
+from treeopt.masks import labels, mask, name_matcher
+from treeopt.optimizer import Optimizer
+
+__all__ = [
+    "Optimizer",
+    "get_hyperparams",
+    "labels",
+    "leaf_names",
+    "mask",
+    "name_matcher",
+    "partitioning",
+    "serialization",
+    "set_hyperparams",
+]
+
+__version__ = "0.1.0"

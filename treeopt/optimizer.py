@@ -1,0 +1,446 @@
+"""treeopt.Optimizer: a PyTree that holds its own optax state."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.tree_util import GetAttrKey
+
+from treeopt import _specs, _state_dict
+from treeopt import hyperparams as _hyperparams
+from treeopt._layout import ParamLayout, Wrt, is_lookahead
+
+_FIELDS = ("tx", "wrt", "_layout", "_lookahead", "step", "opt_state")
+
+
+def _as_transformation(tx: Any) -> optax.GradientTransformation:
+    if isinstance(tx, optax.MultiSteps):
+        return tx.gradient_transformation()
+    if isinstance(tx, optax.GradientTransformation):
+        return tx
+    hint = ""
+    if callable(tx):
+        hint = " It is callable: did you pass the factory instead of calling it, e.g. optax.adam(1e-3)?"
+    raise TypeError(
+        "Optimizer(tx) needs an optax.GradientTransformation such as optax.adam(1e-3), "
+        f"got {type(tx).__name__}.{hint}"
+    )
+
+
+def _strong(x: Any) -> Any:
+    # A weakly typed leaf would come back strongly typed from the first jitted
+    # step and cost one retrace; make the state's avals stable from the start.
+    return jnp.asarray(x, dtype=x.dtype) if isinstance(x, jax.Array) else x
+
+
+def _is_tracer(x: Any) -> bool:
+    return isinstance(x, jax.core.Tracer)
+
+
+def _concrete_or_eager_autodiff(x: Any) -> bool:
+    """True for a concrete value, or a tracer of eager ``jax.grad``/``jvp`` over concrete values.
+
+    An in-place update with those is what ``jax.grad`` of a function that
+    builds its optimizer (or takes it undifferentiated and returns it as aux)
+    needs. Tracers of jit/scan/shard_map staging or of vmap batching on a
+    concrete optimizer mean it was captured by a closure: that stays an error.
+    """
+    while _is_tracer(x):
+        if not hasattr(x, "primal"):  # JVPTracer / LinearizeTracer carry their primal
+            return False
+        x = x.primal
+    return True
+
+
+class Optimizer:
+    """An optax optimizer that is a PyTree holding its own state.
+
+    ``tx`` and the parameter names are static; ``step`` and ``opt_state`` are the
+    leaves. Pass it through ``jax.jit`` (or ``vmap``) like any other state and
+    return it; ``update`` changes its state in place and returns new params.
+
+    Args:
+        tx: the optax transformation (an ``optax.MultiSteps`` is accepted too).
+        wrt: which leaves are trained. ``None``: every floating-point array leaf.
+            A glob (or list of globs) over parameter names: the float leaves whose
+            name matches. A callable ``(name, leaf) -> bool``: the leaves it selects.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, optax, treeopt
+        >>> params = {"w": jnp.ones(3), "b": jnp.zeros(3)}
+        >>> opt = treeopt.Optimizer(optax.sgd(0.1)).init(params)
+        >>> @jax.jit
+        ... def train_step(params, opt):
+        ...     grads = jax.grad(lambda p: jnp.sum(p["w"] * 2 + p["b"]))(params)
+        ...     params = opt.update(grads, params)
+        ...     return params, opt
+        >>> params, opt = train_step(params, opt)
+        >>> params["w"], int(opt.step)
+        (Array([0.8, 0.8, 0.8], dtype=float32), 1)
+    """
+
+    __slots__ = _FIELDS
+
+    tx: optax.GradientTransformation
+    wrt: Wrt
+    step: jax.Array | None
+    opt_state: optax.OptState | None
+
+    def __init__(self, tx: optax.GradientTransformation, wrt: Wrt = None):
+        set_ = object.__setattr__
+        set_(self, "tx", _as_transformation(tx))
+        set_(self, "wrt", tuple(wrt) if isinstance(wrt, list) else wrt)
+        set_(self, "_layout", None)
+        set_(self, "_lookahead", False)
+        set_(self, "step", None)
+        set_(self, "opt_state", None)
+
+    # -- pytree ----------------------------------------------------------------
+
+    def _tree_flatten_with_keys(self) -> tuple[Any, Any]:
+        aux = (self.tx, self.wrt, self._layout, self._lookahead)
+        if self._layout is None:
+            return (), aux
+        return ((GetAttrKey("step"), self.step), (GetAttrKey("opt_state"), self.opt_state)), aux
+
+    def _tree_flatten(self) -> tuple[Any, Any]:
+        aux = (self.tx, self.wrt, self._layout, self._lookahead)
+        if self._layout is None:
+            return (), aux
+        return (self.step, self.opt_state), aux
+
+    @classmethod
+    def _tree_unflatten(cls, aux: Any, children: Any) -> Optimizer:
+        self = object.__new__(cls)
+        set_ = object.__setattr__
+        tx, wrt, layout, lookahead = aux
+        set_(self, "tx", tx)
+        set_(self, "wrt", wrt)
+        set_(self, "_layout", layout)
+        set_(self, "_lookahead", lookahead)
+        step, opt_state = children if layout is not None else (None, None)
+        set_(self, "step", step)
+        set_(self, "opt_state", opt_state)
+        return self
+
+    # -- init --------------------------------------------------------------------
+
+    @property
+    def initialized(self) -> bool:
+        """Whether ``init`` produced this optimizer (it has state)."""
+        return self._layout is not None
+
+    @property
+    def paths(self) -> tuple[str, ...]:
+        """Names of the trainable parameters, e.g. ``("decoder/layers_0/kernel", ...)``."""
+        return self._require_layout().names
+
+    def init(self, params: Any) -> Optimizer:
+        """A new, initialized optimizer for ``params`` (``self`` is left unchanged).
+
+        Example:
+            >>> import jax.numpy as jnp, optax, treeopt
+            >>> opt = treeopt.Optimizer(optax.adam(1e-3)).init({"dense": {"kernel": jnp.ones((2, 3))}})
+            >>> opt.paths, int(opt.step)
+            (('dense/kernel',), 0)
+        """
+        lookahead = is_lookahead(params)
+        layout = ParamLayout.of(params.fast if lookahead else params, self.wrt)
+        if lookahead:
+            flat: Any = optax.LookaheadParams(
+                layout.split_params(params.fast)[0], layout.split_params(params.slow)[0]
+            )
+        else:
+            flat = layout.split_params(params)[0]
+        opt_state = jax.tree.map(_strong, self.tx.init(flat))
+        new = Optimizer._tree_unflatten(
+            (self.tx, self.wrt, layout, lookahead), (jnp.zeros((), jnp.int32), opt_state)
+        )
+        return new
+
+    # -- update ------------------------------------------------------------------
+
+    def update(
+        self,
+        grads: Any,
+        params: Any = None,
+        apply_updates: bool = True,
+        **extra_args: Any,
+    ) -> Any:
+        """Applies one optimizer step: updates the state in place and returns new params.
+
+        Args:
+            grads: gradients shaped like the params given to ``init`` (leaves that are
+                not trained may be ``None`` or absent when matched by name).
+            params: the current params. Required with ``apply_updates=True`` and by
+                transformations that read params (weight decay, lamb, lars, ...).
+            apply_updates: return new params (default) or the updates themselves,
+                shaped like ``grads``.
+            **extra_args: passed to ``tx.update`` (e.g. ``value=loss`` for
+                ``optax.contrib.reduce_on_plateau``).
+
+        Returns:
+            New params of the same type and structure as ``params``, or the updates.
+
+        Example:
+            >>> import jax.numpy as jnp, optax, treeopt
+            >>> params = {"w": jnp.ones(2)}
+            >>> opt = treeopt.Optimizer(optax.sgd(0.5)).init(params)
+            >>> opt.update({"w": jnp.ones(2)}, params)
+            {'w': Array([0.5, 0.5], dtype=float32)}
+            >>> opt.update({"w": jnp.ones(2)}, apply_updates=False)
+            {'w': Array([-0.5, -0.5], dtype=float32)}
+        """
+        layout = self._require_layout()
+        if apply_updates and params is None:
+            raise ValueError(
+                "update(grads) with apply_updates=True needs the current params: "
+                "call opt.update(grads, params), or opt.update(grads, apply_updates=False) "
+                "to get the updates."
+            )
+        flat_grads, rebuild_grads = layout.split_grads(grads)
+        flat_params, merge_params = self._split_params(params)
+        if _is_tracer(self.step):
+            out = self._update_flat(flat_grads, flat_params, apply_updates, extra_args)
+        else:
+            if not all(_concrete_or_eager_autodiff(g) for g in flat_grads.values()):
+                raise RuntimeError(
+                    "Optimizer.update was called inside a JAX transformation (jax.jit, vmap, "
+                    "grad, ...) on an optimizer that was not passed into it: its state is "
+                    "concrete while the gradients are traced, so updating it in place would "
+                    "leak tracers. Pass the optimizer as an argument and return it:\n"
+                    "    @jax.jit\n"
+                    "    def train_step(params, opt, batch):\n"
+                    "        grads = jax.grad(loss_fn)(params, batch)\n"
+                    "        params = opt.update(grads, params)\n"
+                    "        return params, opt"
+                )
+            new, out = _compiled_update(self, flat_grads, flat_params, extra_args, apply_updates)
+            object.__setattr__(self, "step", new.step)
+            object.__setattr__(self, "opt_state", new.opt_state)
+        if apply_updates:
+            return merge_params(out)
+        if self._lookahead:
+            return optax.LookaheadParams(rebuild_grads(out.fast), rebuild_grads(out.slow))
+        return rebuild_grads(out)
+
+    def _split_params(self, params: Any) -> tuple[Any, Any]:
+        """``(flat params for tx.update, merge)``; ``merge(flat)`` rebuilds params of the given type."""
+        if params is None:
+            return None, None
+        layout = self._require_layout()
+        if not self._lookahead:
+            flat, leaves = layout.split_params(params)
+            return flat, functools.partial(layout.merge_params, leaves)
+        if not is_lookahead(params):
+            raise TypeError(
+                "This optimizer was initialized with optax.LookaheadParams; pass params "
+                f"of that type to update, got {type(params).__name__}."
+            )
+        fast, fast_leaves = layout.split_params(params.fast)
+        slow, slow_leaves = layout.split_params(params.slow)
+
+        def merge(flat: Any) -> Any:
+            return optax.LookaheadParams(
+                layout.merge_params(fast_leaves, flat.fast), layout.merge_params(slow_leaves, flat.slow)
+            )
+
+        return optax.LookaheadParams(fast, slow), merge
+
+    def _update_flat(
+        self, flat_grads: Any, flat_params: Any, apply_updates: bool, extra_args: Mapping[str, Any]
+    ) -> Any:
+        """The step over the flat named dicts: new flat params, or the flat updates."""
+        updates, opt_state = self.tx.update(flat_grads, self.opt_state, flat_params, **extra_args)
+        object.__setattr__(self, "opt_state", opt_state)
+        object.__setattr__(self, "step", jnp.asarray(self.step) + 1)
+        return optax.apply_updates(flat_params, updates) if apply_updates else updates
+
+    # -- hyperparameters ----------------------------------------------------------
+
+    @property
+    def hyperparams(self) -> dict[str, Any]:
+        """The injected hyperparameters (``optax.inject_hyperparams``) by name.
+
+        Example:
+            >>> import jax.numpy as jnp, optax, treeopt
+            >>> tx = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1)
+            >>> opt = treeopt.Optimizer(tx).init({"w": jnp.ones(2)})
+            >>> opt.learning_rate = 0.01      # next step uses it, no recompilation
+            >>> round(float(opt.hyperparams["learning_rate"]), 6)
+            0.01
+        """
+        self._require_layout()
+        return _hyperparams.get_hyperparams(self.opt_state)
+
+    def set_hyperparams(self, values: Mapping[str, Any] | None = None, **kwargs: Any) -> None:
+        """Sets injected hyperparameters in place; qualified names (``"decay/learning_rate"``) allowed.
+
+        Example:
+            >>> import jax.numpy as jnp, optax, treeopt
+            >>> tx = optax.inject_hyperparams(optax.adam)(learning_rate=0.1)
+            >>> opt = treeopt.Optimizer(tx).init({"w": jnp.ones(2)})
+            >>> opt.set_hyperparams(learning_rate=0.05, b1=0.8)
+            >>> round(float(opt.b1), 3)
+            0.8
+        """
+        self._require_layout()
+        merged = {**(values or {}), **kwargs}
+        new_state = _hyperparams.set_hyperparams(self.opt_state, merged)
+        object.__setattr__(self, "opt_state", new_state)
+
+    def __getattr__(self, name: str) -> Any:
+        # Only reached when normal lookup fails: hyperparameters read as attributes.
+        if name.startswith("_") or object.__getattribute__(self, "_layout") is None:
+            raise AttributeError(f"'Optimizer' object has no attribute '{name}'")
+        found = _hyperparams.get_hyperparams(object.__getattribute__(self, "opt_state"))
+        if name in found:
+            return found[name]
+        raise AttributeError(
+            f"'Optimizer' object has no attribute or injected hyperparameter '{name}'"
+            + (f" (hyperparameters: {sorted(found)})" if found else "")
+        )
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _FIELDS:
+            raise AttributeError(
+                f"Optimizer.{name} is managed by the optimizer; use init/update/load_state_dict."
+            )
+        self.set_hyperparams({name: value})
+
+    # -- serialization (state_dict / load_state_dict) ------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The state as nested plain dicts of arrays, keyed by parameter name.
+
+        ``{"step": ..., "opt_state": ...}``; ``opt_state`` is the optax state as
+        ``flax.serialization.to_state_dict`` writes it (NamedTuple fields and chain
+        positions as keys), typed PRNG keys as their ``uint32`` key data. See
+        ``docs/serialization.md``.
+
+        Example:
+            >>> import jax.numpy as jnp, optax, treeopt
+            >>> opt = treeopt.Optimizer(optax.adam(1e-3)).init({"dense": {"kernel": jnp.ones(2)}})
+            >>> sd = opt.state_dict()
+            >>> sd["opt_state"]["0"]["mu"]
+            {'dense/kernel': Array([0., 0.], dtype=float32)}
+        """
+        return _state_dict.state_dict(self)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> Optimizer:
+        """A new optimizer like this one, with its state from ``state_dict`` (``self`` is unchanged).
+
+        Leaves are matched by path (state field and parameter name), never by
+        position. ``strict=True`` raises ``treeopt.serialization.StateDictError``
+        listing every missing, unexpected and shape/dtype-mismatched path.
+        ``strict=False`` loads the paths that match, keeps this optimizer's values
+        for the others and emits a ``treeopt.serialization.StateDictWarning``
+        listing them (its ``.report`` holds them as data). Values are placed on
+        the shardings of this optimizer's leaves; ``self`` may be abstract
+        (``jax.eval_shape(opt.init, params)``).
+
+        Example:
+            >>> import jax.numpy as jnp, optax, treeopt
+            >>> opt = treeopt.Optimizer(optax.adam(1e-3)).init({"w": jnp.ones(2)})
+            >>> opt.update({"w": jnp.ones(2)}, apply_updates=False)["w"].shape
+            (2,)
+            >>> restored = treeopt.Optimizer(optax.adam(1e-3)).init({"w": jnp.ones(2)})
+            >>> restored = restored.load_state_dict(opt.state_dict())
+            >>> int(restored.step)
+            1
+        """
+        return _state_dict.load_state_dict(self, state_dict, strict=strict)
+
+    # -- partitioning (partition_specs) --------------------------------------------
+
+    def partition_specs(self, param_specs: Any) -> Optimizer:
+        """A ``PartitionSpec`` for every leaf of this optimizer, from the params' specs.
+
+        Works for any optax transformation, with no table of state types: a
+        state leaf shaped like its param gets the param's spec; a factored leaf
+        (Adafactor ``v_row``/``v_col``, SM3 per-dimension accumulators) gets it
+        with the reduced axes dropped; counts, scalars, RNG keys,
+        hyperparameters and ``(1,)`` placeholders get ``P()``. Also works on an
+        abstract optimizer from ``jax.eval_shape(opt.init, params)``.
+
+        Args:
+            param_specs: a tree shaped like the params given to ``init`` (or the
+                flat ``{name: spec}`` dict), with a ``PartitionSpec`` (mesh axes or
+                logical axis names) or ``None`` (replicated) at each parameter.
+
+        Returns:
+            An Optimizer-shaped tree (same static data) whose leaves are
+            ``PartitionSpec``s: ``P()`` for ``step``, then one per state leaf.
+            Use it (or :func:`treeopt.partitioning.named_shardings` of it) as
+            ``in_shardings``/``out_shardings`` of ``jax.jit``.
+
+        Example:
+            >>> import jax.numpy as jnp, optax, treeopt
+            >>> from jax.sharding import PartitionSpec as P
+            >>> params = {"dense": {"kernel": jnp.ones((4, 8)), "bias": jnp.zeros(8)}}
+            >>> opt = treeopt.Optimizer(optax.adafactor(1e-2, min_dim_size_to_factor=2)).init(params)
+            >>> specs = opt.partition_specs({"dense": {"kernel": P("data", "model"), "bias": P("model")}})
+            >>> tuple(specs.opt_state[0].v_row["dense/kernel"]), tuple(specs.opt_state[0].v_col["dense/kernel"])
+            (('data',), ('model',))
+        """
+        layout = self._require_layout()
+        flat = _specs.flat_param_specs(param_specs, layout)
+        state = _specs.state_specs(self.opt_state, layout, flat)
+        return Optimizer._tree_unflatten(
+            (self.tx, self.wrt, layout, self._lookahead), (jax.sharding.PartitionSpec(), state)
+        )
+
+    # -- misc ----------------------------------------------------------------------
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # copy.copy / deepcopy / pickle rebuild through the pytree path, since
+        # plain attribute assignment is reserved for hyperparameters.
+        children, aux = self._tree_flatten()
+        return Optimizer._tree_unflatten, (aux, children)
+
+    def _require_layout(self) -> ParamLayout:
+        layout = self._layout
+        if layout is None:
+            raise RuntimeError(
+                "This Optimizer is not initialized: call `opt = opt.init(params)` first "
+                "(init returns a new optimizer; it does not change the one it is called on)."
+            )
+        return layout
+
+    def __repr__(self) -> str:
+        if self._layout is None:
+            return f"Optimizer(tx={_tx_name(self.tx)}, initialized=False)"
+        step = self.step
+        step_text = "traced" if _is_tracer(step) else str(jax.device_get(step))
+        return (
+            f"Optimizer(tx={_tx_name(self.tx)}, step={step_text}, "
+            f"params={len(self._layout.names)})"
+        )
+
+
+def _tx_name(tx: optax.GradientTransformation) -> str:
+    init = getattr(tx, "init", None)
+    qualname = getattr(init, "__qualname__", "")
+    return qualname.split(".<locals>")[0] or type(tx).__name__
+
+
+jax.tree_util.register_pytree_with_keys(
+    Optimizer,
+    Optimizer._tree_flatten_with_keys,
+    Optimizer._tree_unflatten,
+    Optimizer._tree_flatten,
+)
+
+
+@functools.partial(jax.jit, static_argnames=("apply_updates",))
+def _compiled_update(
+    opt: Optimizer, flat_grads: Any, flat_params: Any, extra_args: Mapping[str, Any], apply_updates: bool
+) -> tuple[Optimizer, Any]:
+    """The eager path: one compiled program per (tx, params layout) instead of many small ops."""
+    out = opt._update_flat(flat_grads, flat_params, apply_updates, extra_args)
+    return opt, out
