@@ -1,0 +1,709 @@
+"""Saving and restoring an Optimizer: state dicts, flax.serialization, orbax checkpoints.
+
+- ``opt.state_dict()`` / ``opt.load_state_dict(sd, strict=True)``: nested plain
+  dicts of arrays keyed by parameter name (see :mod:`treeopt._state_dict`).
+- ``flax.serialization.to_bytes(opt)`` / ``from_bytes(opt, data)`` and
+  ``to_state_dict`` / ``from_state_dict`` work on an Optimizer (registered when
+  ``treeopt`` is imported). The flax state dict is ``opt.state_dict()`` plus a
+  ``"checksum"`` of its arrays, so a corrupted blob raises instead of loading.
+  :func:`to_bytes` / :func:`from_bytes` here are the same with a clearer error
+  for undecodable bytes.
+- Orbax checkpoints: :func:`save` / :func:`restore` for one directory and
+  :class:`CheckpointManager` for numbered steps (``max_to_keep``, latest step),
+  built on orbax's own ``CheckpointManager`` / ``StandardSave`` (atomic: a save
+  killed half-way leaves the previous checkpoint as the latest). A checkpoint
+  holds an ``optimizer`` item (the state dict) and optionally a ``params`` item
+  (``{name: array}``, the names of :func:`treeopt.leaf_names`), each readable with
+  plain orbax, and checksums of both in the step's orbax custom metadata.
+  Restore into an abstract target from ``jax.eval_shape`` and onto shardings.
+- :func:`warm_start`: start a new optimizer from another one's state, by name
+  (e.g. adam -> adamw keeping ``mu``/``nu``).
+
+See ``docs/serialization.md``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import flax.serialization
+import jax
+
+from treeopt import _state_dict as _sd
+from treeopt._paths import leaf_names
+from treeopt._state_dict import (
+    CHECKSUM_KEY,
+    LoadReport,
+    StateDictError,
+    StateDictWarning,
+    check_state_dict,
+)
+from treeopt.masks import name_matcher
+from treeopt.optimizer import Optimizer
+
+if TYPE_CHECKING:
+    import orbax.checkpoint as ocp
+
+__all__ = [
+    "CHECKSUM_KEY",
+    "CheckpointError",
+    "CheckpointManager",
+    "LoadReport",
+    "StateDictError",
+    "StateDictWarning",
+    "check_state_dict",
+    "from_bytes",
+    "restore",
+    "restore_state_dict",
+    "save",
+    "to_bytes",
+    "warm_start",
+]
+
+OPTIMIZER_ITEM = "optimizer"
+PARAMS_ITEM = "params"
+_METADATA_KEY = "treeopt"
+_FORMAT = 1
+
+
+class CheckpointError(ValueError):
+    """A checkpoint (or serialized bytes) that cannot be read: incomplete, truncated or corrupted.
+
+    Example:
+        >>> import jax.numpy as jnp, optax, treeopt
+        >>> opt = treeopt.Optimizer(optax.adam(1e-3)).init({"w": jnp.ones(2)})
+        >>> data = to_bytes(opt)
+        >>> try:
+        ...     from_bytes(opt, data[: len(data) // 2])
+        ... except CheckpointError as e:
+        ...     print(str(e).split(":")[0])
+        Could not decode 77 bytes as a msgpack state dict
+    """
+
+
+# -- flax.serialization ----------------------------------------------------------------
+
+
+def _flax_to_state_dict(opt: Optimizer) -> dict[str, Any]:
+    if not opt.initialized:
+        return {}
+    return _sd.with_checksum(opt.state_dict())
+
+
+def _flax_from_state_dict(opt: Optimizer, state: Any) -> Optimizer:
+    if not opt.initialized:
+        if not state:
+            return opt
+        raise StateDictError(
+            "Cannot restore state into an Optimizer that is not initialized: its structure "
+            "is unknown. Pass `opt.init(params)`, or an abstract one from "
+            "`jax.eval_shape(opt.init, params)`, as the target."
+        )
+    return opt.load_state_dict(state, strict=True)
+
+
+flax.serialization.register_serialization_state(
+    Optimizer, _flax_to_state_dict, _flax_from_state_dict, override=True
+)
+
+
+def to_bytes(opt: Optimizer) -> bytes:
+    """``flax.serialization.to_bytes(opt)``: msgpack of the state dict and its checksum.
+
+    Example:
+        >>> import jax.numpy as jnp, optax, treeopt
+        >>> opt = treeopt.Optimizer(optax.adam(1e-3)).init({"w": jnp.ones(2)})
+        >>> data = to_bytes(opt)
+        >>> int(from_bytes(opt, data).step)
+        0
+    """
+    return flax.serialization.to_bytes(opt)
+
+
+def from_bytes(target: Optimizer, data: bytes) -> Optimizer:
+    """``flax.serialization.from_bytes(target, data)``, with a clear error for bad bytes.
+
+    ``target`` is an initialized optimizer or an abstract one
+    (``jax.eval_shape(opt.init, params)``). Raises :class:`CheckpointError` when
+    ``data`` is not a msgpack blob (truncated, corrupted) and
+    :class:`StateDictError` when it decodes but does not match ``target`` or its
+    checksum.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, optax, treeopt
+        >>> params = {"w": jnp.ones(2)}
+        >>> opt = treeopt.Optimizer(optax.adam(1e-3)).init(params)
+        >>> params = opt.update({"w": jnp.ones(2)}, params)
+        >>> target = jax.eval_shape(treeopt.Optimizer(optax.adam(1e-3)).init, params)
+        >>> restored = from_bytes(target, to_bytes(opt))
+        >>> int(restored.step), restored.opt_state[0].mu["w"]
+        (1, Array([0.1, 0.1], dtype=float32))
+    """
+    try:
+        state = flax.serialization.msgpack_restore(bytes(data))
+    except Exception as e:
+        raise CheckpointError(
+            f"Could not decode {len(data)} bytes as a msgpack state dict: they are truncated "
+            f"or corrupted ({type(e).__name__}: {e})."
+        ) from e
+    if not isinstance(state, Mapping):
+        raise CheckpointError(
+            f"The bytes decode to a {type(state).__name__}, not a state dict: they are corrupted."
+        )
+    return flax.serialization.from_state_dict(target, dict(state))
+
+
+# -- warm start ------------------------------------------------------------------------
+
+
+def _matcher(patterns: str | Iterable[str] | None) -> Callable[[str], bool] | None:
+    return None if patterns is None else name_matcher(patterns)
+
+
+def warm_start(
+    opt: Optimizer,
+    source: Optimizer | Mapping[str, Any],
+    *,
+    include: str | Iterable[str] | None = None,
+    exclude: str | Iterable[str] | None = None,
+    hyperparams: bool = False,
+) -> tuple[Optimizer, LoadReport]:
+    """Starts ``opt`` from the state of another optimizer, by name: ``(new optimizer, report)``.
+
+    ``source`` is an optimizer or its state dict (``opt.state_dict()``, a flax
+    state dict, or :func:`restore_state_dict` of a checkpoint). A leaf of ``opt``
+    is copied when the source has the same path with the same shape and dtype
+    (``opt_state/0/mu/dense/kernel`` from adam to adamw), else when exactly one
+    source leaf has the same state field and parameter name wherever it is
+    nested (``mu/dense/kernel`` from adam into ``inject_hyperparams(adamw)``,
+    ``count`` for a leaf of no parameter). Everything else keeps ``opt``'s
+    values; nothing raises for a mismatch. Injected hyperparameters keep
+    ``opt``'s values unless ``hyperparams=True``. ``include`` / ``exclude`` are
+    globs over the target paths (``exclude="step"`` restarts the step count,
+    ``exclude="*count"`` restarts bias corrections and schedules).
+
+    Example:
+        >>> import jax.numpy as jnp, optax, treeopt
+        >>> params = {"w": jnp.ones(2)}
+        >>> adam = treeopt.Optimizer(optax.adam(1e-3)).init(params)
+        >>> params = adam.update({"w": jnp.ones(2)}, params)
+        >>> adamw = treeopt.Optimizer(optax.adamw(1e-3)).init(params)
+        >>> adamw, report = warm_start(adamw, adam)
+        >>> report.loaded
+        ('opt_state/0/count', 'opt_state/0/mu/w', 'opt_state/0/nu/w', 'step')
+        >>> int(adamw.step)
+        1
+    """
+    sd = source.state_dict() if isinstance(source, Optimizer) else source
+    return _sd.warm_start(
+        opt, sd, include=_matcher(include), exclude=_matcher(exclude), hyperparams=hyperparams
+    )
+
+
+# -- orbax: the items ----------------------------------------------------------------------
+
+
+def _ocp() -> Any:
+    import orbax.checkpoint as ocp  # imported on first use: it costs ~0.5 s
+
+    return ocp
+
+
+def _array_like(x: Any) -> bool:
+    return hasattr(x, "shape") and hasattr(x, "dtype")
+
+
+def _flat_params(params: Any) -> dict[str, Any]:
+    """``{name: array}`` of every array leaf of ``params``."""
+    out = {}
+    for name, leaf in zip(leaf_names(params), jax.tree.leaves(params), strict=True):
+        if _array_like(leaf):
+            out[name] = _sd._plain_leaf(leaf)
+    return out
+
+
+def _checksum_list(tree: Any) -> list[int]:
+    return [int(x) for x in _sd.checksum(_sd.flatten(tree))]
+
+
+def _save_items(opt: Optimizer, params: Any) -> tuple[Any, dict[str, Any]]:
+    """``(ocp.args.Composite, custom metadata)`` of a checkpoint of ``opt`` (and ``params``)."""
+    ocp = _ocp()
+    if not isinstance(opt, Optimizer) or not opt.initialized:
+        raise TypeError(
+            "save needs an initialized treeopt.Optimizer (opt = Optimizer(tx).init(params)), "
+            f"got {opt!r}."
+        )
+    items = {OPTIMIZER_ITEM: opt.state_dict()}
+    if params is not None:
+        items[PARAMS_ITEM] = _flat_params(params)
+    checksums = {name: _checksum_list(tree) for name, tree in items.items()}
+    args = ocp.args.Composite(**{name: ocp.args.StandardSave(tree) for name, tree in items.items()})
+    return args, {_METADATA_KEY: {"format": _FORMAT, "checksums": checksums}}
+
+
+def _with_shardings(tree: Any, shardings: Any, what: str) -> Any:
+    """``tree`` with its array leaves placed on (or, if abstract, annotated with) ``shardings``."""
+    if shardings is None:
+        return tree
+    leaves, treedef = jax.tree.flatten(tree)
+    if isinstance(shardings, jax.sharding.Sharding):
+        flat_shardings: Sequence[Any] = [shardings] * len(leaves)
+    else:
+        flat_shardings, sharding_def = jax.tree.flatten(
+            shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding)
+        )
+        if len(flat_shardings) != len(leaves):
+            raise ValueError(
+                f"{what} shardings must be one Sharding or a tree shaped like the {what} "
+                f"({len(leaves)} leaves), got {len(flat_shardings)} leaves: {sharding_def}."
+            )
+
+    def place(leaf: Any, sharding: Any) -> Any:
+        if isinstance(leaf, jax.Array):
+            return jax.device_put(leaf, sharding)
+        if _array_like(leaf):
+            return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
+        return leaf
+
+    return jax.tree.unflatten(treedef, [place(x, s) for x, s in zip(leaves, flat_shardings, strict=True)])
+
+
+def _default_sharding() -> jax.sharding.Sharding:
+    return jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+
+
+def _abstract_item(meta: Any, shardings: Mapping[tuple[str, ...], Any], prefix: tuple[str, ...] = ()) -> Any:
+    """The orbax restore target for a saved item: every saved leaf (empty dicts kept), on its sharding."""
+    if isinstance(meta, Mapping):
+        return {k: _abstract_item(v, shardings, (*prefix, k)) for k, v in meta.items()}
+    if meta is None or not _array_like(meta):
+        return meta
+    sharding = shardings.get(prefix) or _default_sharding()
+    return jax.ShapeDtypeStruct(tuple(meta.shape), meta.dtype, sharding=sharding)
+
+
+def _param_slots(params: Any) -> tuple[dict[tuple[str, ...], Any], Any, list[Any]]:
+    leaves, treedef = jax.tree.flatten(params)
+    slots: dict[tuple[str, ...], Any] = {}
+    for index, (name, leaf) in enumerate(zip(leaf_names(params), leaves, strict=True)):
+        if _array_like(leaf):
+            slots[(name,)] = _sd.slot(index, leaf)
+    return slots, treedef, leaves
+
+
+def _mismatch_error(where: str, what: str, report: LoadReport) -> StateDictError:
+    return StateDictError(
+        f"The checkpoint at {where} does not match the {what} to restore into:\n"
+        + report.problems()
+        + "\nIt was saved from another model or optimizer. Pass strict=False to restore the "
+        "matching paths, or restore_state_dict + warm_start to start from another optimizer.",
+        report,
+    )
+
+
+class _Reader:
+    """Metadata and restore of one checkpoint: a directory, or a step of a manager."""
+
+    def __init__(
+        self, where: str, metadata: Callable[[], Any], restore: Callable[[Any], Any], verify: bool = True
+    ):
+        self.where = where
+        self.verify_checksums = verify
+        self._metadata = metadata
+        self._restore = restore
+
+    def metadata(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """``({item name: saved tree metadata}, treeopt's custom metadata)``."""
+        try:
+            step_metadata = self._metadata()
+            items = step_metadata.item_metadata
+            trees = {}
+            for name in (OPTIMIZER_ITEM, PARAMS_ITEM):
+                item = items.get(name) if items is not None else None
+                if item is not None:
+                    trees[name] = getattr(item, "tree", item)
+            custom = (step_metadata.custom_metadata or {}).get(_METADATA_KEY, {})
+        except FileNotFoundError:
+            raise
+        except Exception as e:
+            raise CheckpointError(
+                f"Could not read the metadata of the checkpoint at {self.where}: it is "
+                f"truncated or corrupted ({type(e).__name__}: {e})."
+            ) from e
+        if OPTIMIZER_ITEM not in trees:
+            raise CheckpointError(
+                f"The checkpoint at {self.where} has no '{OPTIMIZER_ITEM}' item: it was not "
+                "written by treeopt.serialization.save / CheckpointManager.save, or it is "
+                "incomplete."
+            )
+        return trees, custom
+
+    def restore(self, items: Mapping[str, Any]) -> Any:
+        ocp = _ocp()
+        args = ocp.args.Composite(
+            **{name: ocp.args.StandardRestore(item) for name, item in items.items()}
+        )
+        try:
+            return self._restore(args)
+        except Exception as e:
+            raise CheckpointError(
+                f"Could not restore the checkpoint at {self.where}: its files are truncated or "
+                f"corrupted ({type(e).__name__}: {str(e)[:2000]})."
+            ) from e
+
+    def verify(self, name: str, tree: Any, custom: Mapping[str, Any]) -> None:
+        stored = custom.get("checksums", {}).get(name) if isinstance(custom, Mapping) else None
+        if stored is None:
+            if self.verify_checksums:
+                raise CheckpointError(
+                    f"The checkpoint at {self.where} has no checksum for its '{name}' item: its "
+                    "_CHECKPOINT_METADATA file is missing or damaged, or treeopt did not write it. "
+                    "Pass verify=False to restore it unchecked."
+                )
+            return
+        if [int(x) for x in stored] != _checksum_list(tree):
+            raise CheckpointError(
+                f"The '{name}' item of the checkpoint at {self.where} does not match the "
+                "checksum it was saved with: its files are corrupted."
+            )
+
+    def restore_state_dict(self) -> dict[str, Any]:
+        trees, custom = self.metadata()
+        restored = self.restore({OPTIMIZER_ITEM: _abstract_item(trees[OPTIMIZER_ITEM], {})})[OPTIMIZER_ITEM]
+        self.verify(OPTIMIZER_ITEM, restored, custom)
+        return restored
+
+    def restore_into(
+        self,
+        target: Optimizer,
+        params: Any,
+        shardings: Any,
+        param_shardings: Any,
+        strict: bool,
+    ) -> Any:
+        if not isinstance(target, Optimizer) or not target.initialized:
+            raise TypeError(
+                "restore needs a target optimizer with the state's structure: an initialized "
+                "one (opt.init(params)) or an abstract one (jax.eval_shape(opt.init, params)), "
+                f"got {target!r}."
+            )
+        target = _with_shardings(target, shardings, "optimizer")
+        trees, custom = self.metadata()
+        slots, treedef, leaves = _sd.slots(target)
+        saved = _sd.flatten(trees[OPTIMIZER_ITEM])
+        pairs, report = _sd.match(slots, saved)
+        if strict and not report.ok:
+            raise _mismatch_error(self.where, "optimizer", report)
+        items = {OPTIMIZER_ITEM: _abstract_item(trees[OPTIMIZER_ITEM], {p: slots[p].sharding for p in pairs})}
+
+        if params is not None:
+            if PARAMS_ITEM not in trees:
+                raise CheckpointError(
+                    f"The checkpoint at {self.where} holds no params: it was saved with "
+                    "save(directory, opt) alone. Restore without params=."
+                )
+            params = _with_shardings(params, param_shardings, "params")
+            p_slots, p_treedef, p_leaves = _param_slots(params)
+            p_saved = _sd.flatten(trees[PARAMS_ITEM])
+            p_pairs, p_report = _sd.match(p_slots, p_saved)
+            if strict and not p_report.ok:
+                raise _mismatch_error(self.where, "params", p_report)
+            items[PARAMS_ITEM] = _abstract_item(trees[PARAMS_ITEM], {p: p_slots[p].sharding for p in p_pairs})
+
+        restored = self.restore(items)
+        for name, tree in restored.items():
+            self.verify(name, tree, custom)
+        source = _sd.flatten(restored[OPTIMIZER_ITEM])
+        if not report.ok:
+            _warn(report, self.where, "optimizer")
+        opt = _sd.rebuild(target, slots, treedef, leaves, pairs, source)
+        if params is None:
+            return opt
+        if not p_report.ok:
+            _warn(p_report, self.where, "params")
+        p_source = _sd.flatten(restored[PARAMS_ITEM])
+        new_leaves = list(p_leaves)
+        left = []
+        for path, slot in p_slots.items():
+            if path in p_pairs:
+                new_leaves[slot.index] = _sd.convert(slot, p_source[path])
+            elif slot.abstract:
+                left.append(path[0])
+        if left:
+            raise StateDictError(
+                f"The checkpoint at {self.where} has no value for the abstract params {left}."
+            )
+        return opt, jax.tree.unflatten(p_treedef, new_leaves)
+
+
+def _warn(report: LoadReport, where: str, what: str) -> None:
+    import warnings
+
+    warnings.warn(
+        StateDictWarning(
+            f"restore(strict=False) from {where}: these {what} paths kept the target's values "
+            "or were ignored:\n" + report.problems(),
+            report,
+        ),
+        stacklevel=4,
+    )
+
+
+# -- orbax: one directory --------------------------------------------------------------------
+
+
+def _checkpointer() -> Any:
+    ocp = _ocp()
+    handler = ocp.StandardCheckpointHandler
+    return ocp.Checkpointer(
+        ocp.CompositeCheckpointHandler(**{OPTIMIZER_ITEM: handler(), PARAMS_ITEM: handler()})
+    )
+
+
+@contextlib.contextmanager
+def _directory_reader(directory: str | os.PathLike[str], verify: bool = True) -> Iterator[_Reader]:
+    path = os.path.abspath(os.fspath(directory))
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"No checkpoint directory at {path}.")
+    ckptr = _checkpointer()
+    try:
+        yield _Reader(
+            path,
+            lambda: ckptr.metadata(path),
+            lambda args: ckptr.restore(path, args=args),
+            verify,
+        )
+    finally:
+        ckptr.close()
+
+
+def save(
+    directory: str | os.PathLike[str], opt: Optimizer, params: Any = None, *, force: bool = False
+) -> None:
+    """Saves ``opt`` (and ``params``) as an orbax checkpoint in ``directory``; blocks until written.
+
+    The write is atomic (orbax writes a temporary directory and renames it).
+    ``force=True`` replaces an existing checkpoint. For numbered steps, keeping
+    the last few, use :class:`CheckpointManager`.
+
+    Example:
+        >>> import tempfile, jax, jax.numpy as jnp, optax, treeopt
+        >>> params = {"w": jnp.ones(2)}
+        >>> opt = treeopt.Optimizer(optax.adam(1e-3)).init(params)
+        >>> path = tempfile.mkdtemp() + "/ckpt"
+        >>> save(path, opt, params)
+        >>> target = jax.eval_shape(opt.init, params)
+        >>> opt2, params2 = restore(path, target, params=jax.eval_shape(lambda: params))
+        >>> int(opt2.step), params2["w"].tolist()
+        (0, [1.0, 1.0])
+    """
+    args, metadata = _save_items(opt, params)
+    path = os.path.abspath(os.fspath(directory))
+    ckptr = _checkpointer()
+    try:
+        ckptr.save(path, args=args, force=force, custom_metadata=metadata)
+    finally:
+        ckptr.close()
+
+
+def restore(
+    directory: str | os.PathLike[str],
+    target: Optimizer,
+    params: Any = None,
+    *,
+    shardings: Any = None,
+    param_shardings: Any = None,
+    strict: bool = True,
+    verify: bool = True,
+) -> Any:
+    """Restores the checkpoint that :func:`save` wrote: an Optimizer, or ``(opt, params)``.
+
+    Args:
+        directory: the checkpoint directory.
+        target: an optimizer with the state's structure: initialized
+            (``opt.init(params)``) or abstract (``jax.eval_shape(opt.init, params)``).
+            Each leaf is restored onto the sharding of the target's leaf (a
+            ``jax.Array``'s, or a ``ShapeDtypeStruct``'s ``sharding``), else onto
+            the first local device.
+        params: also restore the params saved with the optimizer, into this
+            tree (concrete or abstract); they are matched by name.
+        shardings: a ``jax.sharding.Sharding`` for every optimizer leaf, or a tree
+            shaped like ``target`` with one per leaf (e.g. ``NamedSharding``s).
+        param_shardings: the same for ``params``.
+        strict: raise :class:`StateDictError` listing every missing, unexpected and
+            mismatched path (default), or restore what matches and warn.
+        verify: check the restored arrays against the checksums saved in the
+            checkpoint's metadata, and refuse a checkpoint without them (default).
+
+    Raises:
+        FileNotFoundError: no such directory.
+        CheckpointError: the checkpoint is incomplete, truncated or corrupted
+            (a checksum mismatch included).
+        StateDictError: it does not match ``target`` / ``params``.
+
+    Example:
+        >>> import tempfile, jax, jax.numpy as jnp, optax, treeopt
+        >>> from jax.sharding import NamedSharding, PartitionSpec as P
+        >>> params = {"w": jnp.ones((4, 2))}
+        >>> opt = treeopt.Optimizer(optax.adam(1e-3)).init(params)
+        >>> path = tempfile.mkdtemp() + "/ckpt"
+        >>> save(path, opt)
+        >>> target = jax.eval_shape(treeopt.Optimizer(optax.adam(1e-3)).init, params)
+        >>> mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
+        >>> restored = restore(path, target, shardings=NamedSharding(mesh, P()))
+        >>> restored.opt_state[0].mu["w"].sharding == NamedSharding(mesh, P())
+        True
+    """
+    with _directory_reader(directory, verify) as reader:
+        return reader.restore_into(target, params, shardings, param_shardings, strict)
+
+
+def restore_state_dict(directory: str | os.PathLike[str], *, verify: bool = True) -> dict[str, Any]:
+    """The optimizer state dict in a checkpoint of :func:`save`, with no target (for ``warm_start``).
+
+    Arrays land on the first local device.
+
+    Example:
+        >>> import tempfile, jax.numpy as jnp, optax, treeopt
+        >>> params = {"w": jnp.ones(2)}
+        >>> adam = treeopt.Optimizer(optax.adam(1e-3)).init(params)
+        >>> path = tempfile.mkdtemp() + "/ckpt"
+        >>> save(path, adam)
+        >>> sd = restore_state_dict(path)
+        >>> sorted(sd["opt_state"]["0"])
+        ['count', 'mu', 'nu']
+        >>> adamw, report = warm_start(treeopt.Optimizer(optax.adamw(1e-3)).init(params), sd)
+        >>> report.ok
+        True
+    """
+    with _directory_reader(directory, verify) as reader:
+        return reader.restore_state_dict()
+
+
+# -- orbax: numbered steps -----------------------------------------------------------------
+
+
+class CheckpointManager:
+    """Numbered checkpoints of an Optimizer (and params) over ``orbax.checkpoint.CheckpointManager``.
+
+    Args:
+        directory: where the step directories go (created if needed).
+        max_to_keep: keep only the newest ``max_to_keep`` steps (``None``: all).
+        save_interval_steps: ``save`` writes only steps that are multiples of it
+            (or when ``force=True``).
+        enable_async_checkpointing: save in a background thread (orbax's default);
+            ``wait_until_finished`` / ``close`` block until written.
+        options: a full ``ocp.CheckpointManagerOptions`` instead of the above.
+
+    Example:
+        >>> import tempfile, jax, jax.numpy as jnp, optax, treeopt
+        >>> params = {"w": jnp.ones(2)}
+        >>> opt = treeopt.Optimizer(optax.adam(1e-3)).init(params)
+        >>> with CheckpointManager(tempfile.mkdtemp(), max_to_keep=2) as manager:
+        ...     for step in range(3):
+        ...         params = opt.update({"w": jnp.ones(2)}, params)
+        ...         _ = manager.save(step, opt, params)
+        ...     manager.wait_until_finished()
+        ...     restored = manager.restore(jax.eval_shape(opt.init, params))
+        ...     manager.all_steps(), manager.latest_step(), int(restored.step)
+        ([1, 2], 2, 3)
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        max_to_keep: int | None = None,
+        save_interval_steps: int = 1,
+        enable_async_checkpointing: bool = True,
+        options: ocp.CheckpointManagerOptions | None = None,
+    ):
+        ocp = _ocp()
+        if options is None:
+            options = ocp.CheckpointManagerOptions(
+                max_to_keep=max_to_keep,
+                save_interval_steps=save_interval_steps,
+                enable_async_checkpointing=enable_async_checkpointing,
+                create=True,
+            )
+        self.directory = os.path.abspath(os.fspath(directory))
+        handler = ocp.StandardCheckpointHandler
+        self.manager = ocp.CheckpointManager(
+            self.directory,
+            options=options,
+            item_handlers={OPTIMIZER_ITEM: handler(), PARAMS_ITEM: handler()},
+        )
+
+    def save(self, step: int, opt: Optimizer, params: Any = None, *, force: bool = False) -> bool:
+        """Saves ``opt`` (and ``params``) as ``step``; False when the save interval skips it.
+
+        The state is copied off the device before this returns, so the next
+        (donating) train step may run while it is written.
+        """
+        if not force and not self.manager.should_save(step):
+            return False
+        args, metadata = _save_items(opt, params)
+        return bool(self.manager.save(step, args=args, force=force, custom_metadata=metadata))
+
+    def _reader(self, step: int | None, verify: bool) -> _Reader:
+        if step is None:
+            self.manager.reload()
+            step = self.manager.latest_step()
+            if step is None:
+                raise FileNotFoundError(f"No checkpoint in {self.directory}.")
+        elif step not in self.manager.all_steps():
+            raise FileNotFoundError(
+                f"No checkpoint of step {step} in {self.directory}; steps: {list(self.all_steps())}."
+            )
+        where = os.path.join(self.directory, str(step))
+        return _Reader(
+            where,
+            lambda: self.manager.metadata(step),
+            lambda args: self.manager.restore(step, args=args),
+            verify,
+        )
+
+    def restore(
+        self,
+        target: Optimizer,
+        params: Any = None,
+        *,
+        step: int | None = None,
+        shardings: Any = None,
+        param_shardings: Any = None,
+        strict: bool = True,
+        verify: bool = True,
+    ) -> Any:
+        """Restores ``step`` (default: the latest); arguments and result as :func:`restore`."""
+        reader = self._reader(step, verify)
+        return reader.restore_into(target, params, shardings, param_shardings, strict)
+
+    def restore_state_dict(self, step: int | None = None, *, verify: bool = True) -> dict[str, Any]:
+        """The optimizer state dict of ``step`` (default: the latest), with no target."""
+        return self._reader(step, verify).restore_state_dict()
+
+    def latest_step(self) -> int | None:
+        """The newest complete step, or None."""
+        return self.manager.latest_step()
+
+    def all_steps(self) -> Sequence[int]:
+        """The complete steps, oldest first."""
+        return self.manager.all_steps()
+
+    def wait_until_finished(self) -> None:
+        """Blocks until pending (async) saves are written."""
+        self.manager.wait_until_finished()
+
+    def close(self) -> None:
+        """Waits for pending saves and releases orbax's resources."""
+        self.manager.close()
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
