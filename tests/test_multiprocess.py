@@ -1,0 +1,198 @@
+"""Two processes, one 2x4 mesh: the same sharded training steps as one process, same result.
+
+The test starts 2 worker processes on loopback (``jax.distributed.initialize``,
+CPU collectives), each with 4 virtual CPU devices, so the 8 devices of the
+(data x model) mesh span both processes: each process holds one row of the
+mesh. They train with the state shardings from ``Optimizer.partition_specs``,
+gather the result, and process 0 writes it out; the test compares it with the
+same steps run here on 8 devices of one process: equal up to the rounding of
+sums that the cross-process all-reduce adds in another order (rtol 1e-6).
+
+The workers are this file run as a script (``python test_multiprocess.py
+--worker ...``). Every wait has a deadline and the workers are killed when it
+passes, so a stuck coordinator cannot hang the test run.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import treeopt
+from treeopt.partitioning import init_sharded, named_shardings, optimizer_shardings
+
+ROOT = Path(__file__).resolve().parents[1]
+NUM_PROCESSES = 2
+DEVICES_PER_PROCESS = 4
+TIMEOUT_S = 240  # for the whole run of both workers (start-up included)
+STEPS = 3
+RTOL, ATOL = 1e-6, 1e-7  # as tests/test_parity.py for reductions: float summation order
+
+SHAPES = {"w1": (8, 32), "b1": (32,), "w2": (32, 8), "b2": (8,)}
+PARAM_SPECS = {"w1": P(None, "model"), "b1": P("model"), "w2": P("model", None), "b2": P()}
+
+
+def make_tx():
+    # Factored statistics (sharded with an axis dropped) and a global-norm reduction.
+    return optax.chain(optax.clip_by_global_norm(1.0), optax.adafactor(1e-2, min_dim_size_to_factor=2))
+
+
+def global_array(host, sharding):
+    """A global array from the same host data on every process (each fills its own shards)."""
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
+def train(mesh):
+    """``STEPS`` sharded training steps; returns every leaf of (params, opt), gathered to the host."""
+    rng = np.random.default_rng(0)
+    host_params = {name: rng.standard_normal(shape).astype(np.float32) for name, shape in SHAPES.items()}
+    x = rng.standard_normal((16, 8)).astype(np.float32)
+    y = rng.standard_normal((16, 8)).astype(np.float32)
+
+    param_sh = named_shardings(PARAM_SPECS, mesh)
+    batch_sh = NamedSharding(mesh, P("data"))
+    params = {name: global_array(host_params[name], param_sh[name]) for name in SHAPES}
+    opt = init_sharded(treeopt.Optimizer(make_tx()), params, mesh, PARAM_SPECS)
+    opt_sh = optimizer_shardings(opt, PARAM_SPECS, mesh)
+
+    def loss_fn(params, x, y):
+        hidden = jax.nn.relu(x @ params["w1"] + params["b1"])
+        return jnp.mean((hidden @ params["w2"] + params["b2"] - y) ** 2)
+
+    def train_step(params, opt, x, y):
+        grads = jax.grad(loss_fn)(params, x, y)
+        return opt.update(grads, params), opt
+
+    train_step = jax.jit(
+        train_step,
+        in_shardings=(param_sh, opt_sh, batch_sh, batch_sh),
+        out_shardings=(param_sh, opt_sh),
+    )
+    x, y = global_array(x, batch_sh), global_array(y, batch_sh)
+    for _ in range(STEPS):
+        params, opt = train_step(params, opt, x, y)
+
+    # The factored statistic of w1 (8, 32) keeps its "model" axis: 32/4 per device.
+    v_col = opt.opt_state[1][0].v_col["w1"]
+    assert v_col.sharding.spec == P("model"), v_col.sharding
+    assert {s.data.shape for s in v_col.addressable_shards} == {(8,)}
+    leaves = jax.tree.leaves((params, opt))
+    return [np.asarray(leaf) for leaf in multihost_utils.process_allgather(leaves, tiled=True)]
+
+
+def make_mesh(devices):
+    return Mesh(np.array(devices).reshape(2, 4), ("data", "model"))
+
+
+# -- the worker ------------------------------------------------------------------------
+
+
+def worker(process_id: int, port: int, out_dir: str) -> None:
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # the default in recent JAX
+    jax.distributed.initialize(
+        coordinator_address=f"127.0.0.1:{port}",
+        num_processes=NUM_PROCESSES,
+        process_id=process_id,
+        initialization_timeout=60,
+    )
+    assert jax.process_count() == NUM_PROCESSES
+    assert jax.local_device_count() == DEVICES_PER_PROCESS
+    devices = jax.devices()  # process 0's devices, then process 1's: one mesh row each
+    assert len(devices) == NUM_PROCESSES * DEVICES_PER_PROCESS
+    leaves = train(make_mesh(devices))
+    if process_id == 0:
+        np.savez(Path(out_dir) / "result.npz", *leaves)
+    jax.distributed.shutdown()
+
+
+# -- the test --------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_workers(out_dir: Path) -> list[tuple[int | None, str]]:
+    """Starts the workers and waits for them (killing them at the deadline): [(returncode, output)]."""
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
+    env.update(
+        XLA_FLAGS=f"--xla_force_host_platform_device_count={DEVICES_PER_PROCESS}",
+        JAX_PLATFORMS="cpu",
+        PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p),
+    )
+    port = free_port()
+    logs = [out_dir / f"worker{i}.log" for i in range(NUM_PROCESSES)]
+    procs = []
+    try:
+        for i, log in enumerate(logs):
+            with open(log, "wb") as out:
+                procs.append(
+                    subprocess.Popen(
+                        [sys.executable, __file__, "--worker", str(i), str(port), str(out_dir)],
+                        cwd=ROOT,
+                        env=env,
+                        stdout=out,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,  # its own process group: killed as a whole
+                    )
+                )
+        deadline = time.monotonic() + TIMEOUT_S
+        for proc in procs:
+            try:
+                proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                break
+            if proc.returncode != 0:
+                break  # one failed: the other would wait for it until its own timeout
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=30)
+    return [(proc.returncode, log.read_text(errors="replace")) for proc, log in zip(procs, logs, strict=True)]
+
+
+def test_two_processes_match_one_process(tmp_path):
+    for attempt in range(2):  # a second try only if the free port was taken meanwhile
+        results = run_workers(tmp_path)
+        if all(code == 0 for code, _ in results):
+            break
+        port_taken = any("address already in use" in out.lower() for _, out in results)
+        if not port_taken or attempt == 1:
+            report = "\n".join(
+                f"--- worker {i}: exit code {code} (None or negative: killed after {TIMEOUT_S}s)\n{out[-4000:]}"
+                for i, (code, out) in enumerate(results)
+            )
+            raise AssertionError(f"the multi-process run failed:\n{report}")
+
+    with np.load(tmp_path / "result.npz") as data:
+        multi = [data[f"arr_{i}"] for i in range(len(data.files))]
+    single = train(make_mesh(jax.devices()[:8]))
+    assert len(multi) == len(single)
+    for got, want in zip(multi, single, strict=True):
+        assert got.shape == want.shape and got.dtype == want.dtype
+        # Same program, same shards; only the order in which cross-process all-reduces
+        # (gloo) add the 4 "model" partial sums may differ: at most an ulp or so.
+        np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 5 and sys.argv[1] == "--worker":
+        worker(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+    else:
+        sys.exit(f"usage: {sys.argv[0]} --worker PROCESS_ID PORT OUT_DIR")

@@ -1,0 +1,276 @@
+"""Partition specs for the optax state of any transformation, from the params' specs.
+
+treeopt runs ``tx.init`` on the flat dict ``{name: param}``, so every
+params-shaped part of the optax state is a dict keyed by parameter names. A
+state leaf therefore belongs to parameter ``X`` when its key path goes through
+``DictKey(X)`` of such a dict; no table of optax state types is needed. The
+spec of a leaf of ``X`` then follows from shapes alone:
+
+- shaped like ``X``: ``X``'s spec, unchanged;
+- any other shape: each axis of the leaf that can only be one axis of ``X``
+  (matched in order; the other axes of ``X`` removed or reduced to size 1, as
+  in Adafactor's ``v_row``/``v_col`` or SM3's accumulators) keeps that axis'
+  entry; an axis that could come from more than one axis of ``X`` with
+  different entries (a square matrix), or from none, is replicated;
+- a list of one vector per dimension of ``X`` (SM3's ``mu``): vector ``i``
+  takes entry ``i``;
+- a stack of copies of ``X`` (extra leading axes, e.g. L-BFGS memories): the
+  leading axes replicated, the rest as ``X``;
+- everything else (counts, scalars, RNG keys, hyperparameters, ``(1,)``
+  placeholders, leaves outside any params dict): ``P()``.
+
+A spec derived this way only ever maps a leaf axis to a param axis of the same
+size, so it divides the mesh exactly when the param's spec does. Empty nodes
+(``optax.MaskedNode``, ``optax.EmptyState``, ``None``) stay where they are.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import optax
+from jax.sharding import PartitionSpec
+from jax.tree_util import DictKey, GetAttrKey, SequenceKey
+
+from treeopt._layout import ParamLayout
+from treeopt._paths import _nnx_variable_type, path_to_name
+
+Shape = tuple[int, ...]
+Entry = Any  # one PartitionSpec entry: None, a mesh/logical axis name, a tuple of names, UNCONSTRAINED
+
+
+def is_spec(x: Any) -> bool:
+    """A leaf of a spec tree: a ``PartitionSpec`` or ``None``."""
+    return x is None or isinstance(x, PartitionSpec)
+
+
+def spec_leaves_with_names(tree: Any) -> list[tuple[str, Any]]:
+    """``[(name, spec)]`` for a tree of ``PartitionSpec``/``None`` leaves, named like params.
+
+    Names follow :func:`treeopt.leaf_names`: ``"/"``-joined keys, with the
+    ``value`` of an nnx ``Variable`` dropped. ``None`` and ``PartitionSpec`` are
+    leaves here (jax would drop ``None`` as an empty node).
+
+    Example:
+        >>> from jax.sharding import PartitionSpec as P
+        >>> named = spec_leaves_with_names({"dense": {"kernel": P(None, "model"), "bias": None}})
+        >>> [(name, spec if spec is None else tuple(spec)) for name, spec in named]
+        [('dense/bias', None), ('dense/kernel', (None, 'model'))]
+    """
+    variable_type = _nnx_variable_type()
+
+    def outer_leaf(x: Any) -> bool:
+        return is_spec(x) or (variable_type is not None and isinstance(x, variable_type))
+
+    out = []
+    for path, node in jax.tree_util.tree_flatten_with_path(tree, is_leaf=outer_leaf)[0]:
+        if variable_type is None or not isinstance(node, variable_type):
+            out.append((path_to_name(path), node))
+            continue
+        for inner_path, leaf in jax.tree_util.tree_flatten_with_path(node, is_leaf=is_spec)[0]:
+            inner = tuple(inner_path)
+            if inner and isinstance(inner[0], GetAttrKey) and inner[0].name == "value":
+                inner = inner[1:]
+            out.append((path_to_name(tuple(path) + inner), leaf))
+    return out
+
+
+def flat_param_specs(param_specs: Any, layout: ParamLayout) -> dict[str, PartitionSpec]:
+    """``{name: spec}`` for every trainable param, checked against ``layout``.
+
+    ``param_specs`` is shaped like params (any container: nested dicts, a
+    FrozenDict, an nnx state, or the flat ``{name: spec}`` dict itself) with
+    ``PartitionSpec`` or ``None`` (replicated) leaves. Specs of leaves that are
+    not trained are accepted and ignored. Raises ``ValueError`` naming the paths
+    that are missing or unexpected, or whose spec has more entries than the
+    param has axes; ``TypeError`` for a leaf that is not a spec.
+    """
+    if isinstance(param_specs, optax.LookaheadParams):
+        param_specs = param_specs.fast
+    if isinstance(param_specs, PartitionSpec):
+        raise TypeError(
+            "partition_specs needs a tree of PartitionSpecs shaped like params "
+            f"(e.g. {{'dense': {{'kernel': P(None, 'model')}}}}), got a single {param_specs}."
+        )
+    named = spec_leaves_with_names(param_specs)
+    bad_types = [f"'{name}': {type(spec).__name__}" for name, spec in named if not is_spec(spec)]
+    if bad_types:
+        raise TypeError(
+            "param_specs must have a PartitionSpec (or None, replicated) at each parameter, got:\n  "
+            + "\n  ".join(bad_types)
+        )
+    given = dict(named)
+    known = set(layout.all_names)
+    missing = [name for name in layout.names if name not in given]
+    unexpected = [name for name, _ in named if name not in known]
+    if missing or unexpected:
+        raise ValueError(
+            "param_specs do not match the params this optimizer was initialized with:"
+            + (f"\n  no spec for parameter(s) {missing}" if missing else "")
+            + (f"\n  spec(s) for unknown parameter(s) {unexpected}" if unexpected else "")
+            + f"\nExpected a tree shaped like params, with a PartitionSpec at each of {list(layout.names)}."
+        )
+    out = {}
+    too_long = []
+    for name, (shape, _) in zip(layout.names, layout.avals, strict=True):
+        spec = given[name]
+        spec = PartitionSpec() if spec is None else spec
+        if len(spec) > len(shape):
+            too_long.append(
+                f"'{name}': {spec} has {len(spec)} entries, but the parameter has "
+                f"{len(shape)} axes (shape {shape})"
+            )
+        out[name] = spec
+    if too_long:
+        raise ValueError("PartitionSpec longer than the parameter's rank:\n  " + "\n  ".join(too_long))
+    return out
+
+
+# -- shape matching --------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=4096)
+def _embeddings(param: Shape, leaf: Shape) -> frozenset[tuple[int | None, ...]]:
+    """Every way ``leaf`` arises from ``param`` by removing axes or reducing them to size 1.
+
+    Each result maps leaf axis ``j`` to the param axis it keeps (in order), or
+    to ``None`` for a param axis reduced to size 1.
+    """
+    found: set[tuple[int | None, ...]] = set()
+
+    def walk(i: int, j: int, acc: tuple[int | None, ...]) -> None:
+        if len(param) - i < len(leaf) - j:
+            return
+        if i == len(param):
+            found.add(acc)
+            return
+        walk(i + 1, j, acc)  # param axis i removed
+        if j < len(leaf):
+            if leaf[j] == param[i]:
+                walk(i + 1, j + 1, (*acc, i))  # kept
+            elif leaf[j] == 1:
+                walk(i + 1, j + 1, (*acc, None))  # reduced to size 1 (keepdims)
+
+    walk(0, 0, ())
+    return frozenset(found)
+
+
+def _make_spec(entries: Sequence[Entry]) -> PartitionSpec:
+    entries = list(entries)
+    while entries and entries[-1] is None:
+        entries.pop()
+    return PartitionSpec(*entries)
+
+
+def derive_spec(param_shape: Shape, param_spec: PartitionSpec, leaf_shape: Shape) -> PartitionSpec:
+    """The spec of a state leaf of shape ``leaf_shape`` that belongs to a param, by shapes.
+
+    Example:
+        >>> from jax.sharding import PartitionSpec as P
+        >>> tuple(derive_spec((4, 6, 8), P("data", None, "model"), (4, 6, 8)))   # same shape
+        ('data', None, 'model')
+        >>> tuple(derive_spec((4, 6, 8), P("data", None, "model"), (4, 8)))      # Adafactor v_col
+        ('data', 'model')
+        >>> tuple(derive_spec((4, 6, 8), P("data", None, "model"), (4, 6)))      # Adafactor v_row
+        ('data',)
+        >>> tuple(derive_spec((8, 8), P("data", "model"), (8,)))                 # which axis? replicate
+        ()
+        >>> tuple(derive_spec((4, 8), P("data", "model"), (1,)))                 # placeholder
+        ()
+    """
+    if tuple(leaf_shape) == tuple(param_shape):
+        return param_spec
+    padded = (*param_spec, *([None] * (len(param_shape) - len(param_spec))))
+    extra = len(leaf_shape) - len(param_shape)
+    if extra > 0 and tuple(leaf_shape[extra:]) == tuple(param_shape):
+        # A stack of copies of the param (leading history/memory axes).
+        return _make_spec([None] * extra + list(padded))
+    maps = _embeddings(tuple(param_shape), tuple(leaf_shape))
+    entries: list[Entry] = []
+    for j in range(len(leaf_shape)):
+        sources = {m[j] for m in maps}  # param axes (None: a size-1 reduced axis) leaf axis j can be
+        options = {None if axis is None else padded[axis] for axis in sources}
+        entries.append(options.pop() if len(options) == 1 else None)
+    return _make_spec(entries)
+
+
+# -- the state -------------------------------------------------------------------
+
+
+def _owners(paths: Sequence[tuple[Any, ...]], names: set[str]) -> list[int | None]:
+    """For each key path, the position of the ``DictKey`` naming its param, or None.
+
+    A dict counts as params-shaped when all its keys are trainable names (a
+    masked dict holds a subset: its ``MaskedNode`` entries have no leaves); the
+    innermost such key on the path wins.
+    """
+    keys_of: dict[tuple[Any, ...], set[Any]] = defaultdict(set)
+    for path in paths:
+        for k, key in enumerate(path):
+            if isinstance(key, DictKey):
+                keys_of[path[:k]].add(key.key)
+    params_dicts = {prefix for prefix, keys in keys_of.items() if keys <= names}
+    out: list[int | None] = []
+    for path in paths:
+        owner = None
+        for k, key in enumerate(path):
+            if isinstance(key, DictKey) and path[:k] in params_dicts:
+                owner = k
+        out.append(owner)
+    return out
+
+
+def _per_dimension(
+    leaves: Sequence[tuple[tuple[Any, ...], Shape]], param_shape: Shape
+) -> dict[tuple[Any, ...], int] | None:
+    """``{rest of path: axis}`` when the leaves of one param entry are one vector per dimension."""
+    if len(leaves) != len(param_shape) or len(param_shape) < 2:
+        return None
+    axes = {}
+    for rest, shape in leaves:
+        if len(rest) != 1 or not isinstance(rest[0], SequenceKey):
+            return None
+        i = rest[0].idx
+        if not 0 <= i < len(param_shape) or tuple(shape) != (param_shape[i],):
+            return None
+        axes[rest] = i
+    return axes if len(set(axes.values())) == len(param_shape) else None
+
+
+def state_specs(opt_state: Any, layout: ParamLayout, param_specs: Mapping[str, PartitionSpec]) -> Any:
+    """A tree shaped like ``opt_state`` with a ``PartitionSpec`` at every leaf.
+
+    ``opt_state`` is the optax state over the flat ``{name: param}`` dict
+    (concrete, or abstract from ``jax.eval_shape``); ``param_specs`` is
+    ``{name: spec}`` for every trainable param.
+    """
+    shapes = {name: tuple(shape) for name, (shape, _) in zip(layout.names, layout.avals, strict=True)}
+    flat, treedef = jax.tree_util.tree_flatten_with_path(opt_state)
+    paths = [tuple(path) for path, _ in flat]
+    leaf_shapes = [tuple(getattr(leaf, "shape", ())) for _, leaf in flat]
+    owners = _owners(paths, set(shapes))
+
+    groups: dict[tuple[Any, ...], list[tuple[tuple[Any, ...], Shape]]] = defaultdict(list)
+    for path, owner, shape in zip(paths, owners, leaf_shapes, strict=True):
+        if owner is not None:
+            groups[path[: owner + 1]].append((path[owner + 1 :], shape))
+
+    specs = []
+    for path, owner, shape in zip(paths, owners, leaf_shapes, strict=True):
+        if owner is None:
+            specs.append(PartitionSpec())
+            continue
+        name = path[owner].key
+        param_shape, param_spec = shapes[name], param_specs[name]
+        per_dim = _per_dimension(groups[path[: owner + 1]], param_shape)
+        if per_dim is not None:
+            axis = per_dim[path[owner + 1 :]]
+            entry = param_spec[axis] if axis < len(param_spec) else None
+            specs.append(_make_spec([entry]))
+        else:
+            specs.append(derive_spec(param_shape, param_spec, shape))
+    return jax.tree_util.tree_unflatten(treedef, specs)

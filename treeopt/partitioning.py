@@ -1,0 +1,267 @@
+"""Sharding an Optimizer: shardings for its state from the params' ones, and sharded init.
+
+The specs themselves come from :meth:`treeopt.Optimizer.partition_specs`
+(any optax transformation, no table of state types). This module turns them
+into ``NamedSharding``s for a ``Mesh``, reads specs from flax linen's logical
+partitioning, and creates an optimizer whose state is born sharded.
+
+Example:
+    >>> import jax, jax.numpy as jnp, numpy as np, optax, treeopt
+    >>> from jax.sharding import Mesh, PartitionSpec as P
+    >>> from treeopt.partitioning import init_sharded, named_shardings
+    >>> mesh = Mesh(np.array(jax.devices()).reshape(1, -1), ("data", "model"))
+    >>> specs = {"kernel": P(None, "model"), "bias": P()}
+    >>> params = jax.device_put(
+    ...     {"kernel": jnp.ones((4, 8)), "bias": jnp.zeros(8)}, named_shardings(specs, mesh))
+    >>> opt = init_sharded(treeopt.Optimizer(optax.adam(1e-3)), params, mesh, specs)
+    >>> opt.opt_state[0].mu["kernel"].sharding.spec == P(None, "model")
+    True
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+from flax.core import meta
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from treeopt._specs import flat_param_specs, is_spec
+from treeopt.optimizer import Optimizer
+
+__all__ = [
+    "init_sharded",
+    "logical_to_mesh_specs",
+    "named_shardings",
+    "optimizer_shardings",
+    "optimizer_specs",
+    "param_specs_of",
+]
+
+LogicalRules = Sequence[tuple[str, str | tuple[str, ...] | None]]
+
+
+def _axis_names(entry: Any) -> tuple[Any, ...]:
+    if entry is None or entry is PartitionSpec.UNCONSTRAINED:
+        return ()
+    return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
+
+
+def _check_axes(spec: PartitionSpec, mesh: Mesh, where: str) -> None:
+    unknown = [name for entry in spec for name in _axis_names(entry) if name not in mesh.axis_names]
+    if unknown:
+        hint = (
+            " If these are logical axis names, pass the logical-to-mesh rules (rules=...)."
+            if any(isinstance(name, str) for name in unknown)
+            else ""
+        )
+        raise ValueError(
+            f"{where}: {spec} uses {unknown}, not an axis of the mesh "
+            f"(its axes: {tuple(mesh.axis_names)}).{hint}"
+        )
+
+
+def named_shardings(specs: Any, mesh: Mesh) -> Any:
+    """``NamedSharding(mesh, spec)`` at every ``PartitionSpec`` leaf of ``specs``.
+
+    ``specs`` is any tree of ``PartitionSpec``s: params-shaped, or
+    Optimizer-shaped from :meth:`~treeopt.Optimizer.partition_specs`. ``None``
+    leaves become replicated shardings. Raises ``ValueError`` naming the path of
+    a spec that uses an axis the mesh does not have.
+
+    Example:
+        >>> import jax, numpy as np
+        >>> from jax.sharding import Mesh, PartitionSpec as P
+        >>> mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
+        >>> named_shardings({"w": P("data", None), "b": None}, mesh)["w"].spec == P("data", None)
+        True
+        >>> named_shardings({"w": P("modle")}, mesh)
+        Traceback (most recent call last):
+        ...
+        ValueError: PartitionSpec at ['w']: ...('modle',) uses ['modle'], not an axis of the mesh (its axes: ('data', 'model')). If these are logical axis names, pass the logical-to-mesh rules (rules=...).
+    """
+
+    def one(path: Any, spec: Any) -> Any:
+        if not is_spec(spec):
+            raise TypeError(
+                f"Expected a PartitionSpec (or None) at {jax.tree_util.keystr(path)}, "
+                f"got {type(spec).__name__}."
+            )
+        spec = PartitionSpec() if spec is None else spec
+        where = f"PartitionSpec at {jax.tree_util.keystr(path)}"
+        _check_axes(spec, mesh, where)
+        try:
+            return NamedSharding(mesh, spec)
+        except Exception as err:  # e.g. a mesh axis used twice in one spec
+            raise ValueError(f"{where}: {err}") from err
+
+    return jax.tree_util.tree_map_with_path(one, specs, is_leaf=is_spec)
+
+
+def logical_to_mesh_specs(logical_specs: Any, rules: LogicalRules) -> Any:
+    """Logical ``PartitionSpec``s (flax linen axis names) to mesh ones, with flax's rules.
+
+    Each spec goes through ``flax.linen.logical_to_mesh_axes(spec, rules)``:
+    the first rule for a logical name whose mesh axis is still free in that spec
+    wins; names with no rule are replicated. ``None`` leaves stay ``None``.
+
+    Example:
+        >>> from jax.sharding import PartitionSpec as P
+        >>> rules = [("batch", "data"), ("embed", None), ("mlp", "model")]
+        >>> logical_to_mesh_specs({"wi": P("embed", "mlp")}, rules) == {"wi": P(None, "model")}
+        True
+    """
+    import flax.linen as nn  # imported lazily: linen is only needed for logical axes
+
+    return jax.tree.map(
+        lambda spec: None if spec is None else nn.logical_to_mesh_axes(spec, list(rules)),
+        logical_specs,
+        is_leaf=is_spec,
+    )
+
+
+def param_specs_of(params: Any) -> Any:
+    """The ``PartitionSpec`` tree of ``params``, shaped like it.
+
+    A flax ``Partitioned``/``LogicallyPartitioned`` box (``nn.with_partitioning``,
+    ``nn.with_logical_partitioning``) gives its names (as ``nn.get_partition_spec``
+    does: logical names for logical boxes); an array with a ``NamedSharding``
+    gives that sharding's spec; any other array ``P()``; other leaves ``None``.
+
+    Example:
+        >>> import jax.numpy as jnp, flax.linen as nn
+        >>> boxed = {"w": nn.LogicallyPartitioned(jnp.ones((2, 4)), ("embed", "mlp")), "b": jnp.zeros(4)}
+        >>> {name: tuple(spec) for name, spec in param_specs_of(boxed).items()}
+        {'b': (), 'w': ('embed', 'mlp')}
+    """
+
+    def one(x: Any) -> Any:
+        if isinstance(x, meta.AxisMetadata) and hasattr(x, "get_partition_spec"):
+            return x.get_partition_spec()
+        sharding = getattr(x, "sharding", None)
+        if isinstance(sharding, NamedSharding):
+            return sharding.spec
+        return PartitionSpec() if hasattr(x, "shape") else None
+
+    return jax.tree.map(one, params, is_leaf=lambda x: isinstance(x, meta.AxisMetadata))
+
+
+def _mesh_param_specs(opt: Optimizer, param_specs: Any, mesh: Mesh | None, rules: LogicalRules | None) -> Any:
+    if rules is not None:
+        param_specs = logical_to_mesh_specs(param_specs, rules)
+    flat = flat_param_specs(param_specs, opt._require_layout())
+    if mesh is not None:
+        for name, spec in flat.items():
+            _check_axes(spec, mesh, f"PartitionSpec of parameter '{name}'")
+    return flat
+
+
+def optimizer_specs(opt: Optimizer, param_specs: Any, *, rules: LogicalRules | None = None) -> Optimizer:
+    """:meth:`Optimizer.partition_specs`, with logical param specs translated by ``rules`` first.
+
+    Translating the params' specs before deriving the state's keeps every state
+    leaf sharded exactly like its param (no resharding in the update).
+
+    Example:
+        >>> import jax.numpy as jnp, optax, treeopt
+        >>> from jax.sharding import PartitionSpec as P
+        >>> opt = treeopt.Optimizer(optax.sgd(0.1, momentum=0.9)).init({"wi": jnp.ones((2, 4))})
+        >>> specs = optimizer_specs(opt, {"wi": P("embed", "mlp")}, rules=[("mlp", "model")])
+        >>> specs.opt_state[0].trace["wi"] == P(None, "model")
+        True
+    """
+    return opt.partition_specs(_mesh_param_specs(opt, param_specs, None, rules))
+
+
+def optimizer_shardings(
+    opt: Optimizer, param_specs: Any, mesh: Mesh, *, rules: LogicalRules | None = None
+) -> Optimizer:
+    """An Optimizer-shaped tree of ``NamedSharding``s for ``opt``'s step and state.
+
+    Args:
+        opt: an initialized Optimizer, or an abstract one (``jax.eval_shape(opt.init, params)``).
+        param_specs: ``PartitionSpec``s shaped like params: mesh axes, or logical
+            axis names with ``rules``; or flax-boxed params (read with :func:`param_specs_of`).
+        mesh: the ``jax.sharding.Mesh``.
+        rules: flax linen logical axis rules (``[("embed", "data"), ("mlp", "model")]``);
+            ``None`` when ``param_specs`` already name mesh axes.
+
+    Returns:
+        Shardings to pass as ``in_shardings``/``out_shardings`` of ``jax.jit`` for the optimizer.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, numpy as np, optax, treeopt
+        >>> from jax.sharding import Mesh, PartitionSpec as P
+        >>> mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
+        >>> opt = jax.eval_shape(treeopt.Optimizer(optax.adam(1e-3)).init, {"w": jnp.ones((4, 8))})
+        >>> shardings = optimizer_shardings(opt, {"w": P("data", "model")}, mesh)
+        >>> shardings.opt_state[0].nu["w"].spec == P("data", "model")
+        True
+    """
+    if _has_boxes(param_specs):
+        param_specs = param_specs_of(param_specs)
+    flat = _mesh_param_specs(opt, param_specs, mesh, rules)
+    return named_shardings(opt.partition_specs(flat), mesh)
+
+
+def _has_boxes(tree: Any) -> bool:
+    leaves = jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, meta.AxisMetadata))
+    return any(isinstance(x, meta.AxisMetadata) for x in leaves)
+
+
+def _unbox(tree: Any) -> Any:
+    # The raw values: no sharding constraint (we are outside jit; the jitted init shards).
+    def one(x: Any) -> Any:
+        if isinstance(x, meta.Partitioned):
+            return x.value
+        return x.unbox() if isinstance(x, meta.AxisMetadata) else x
+
+    return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, meta.AxisMetadata))
+
+
+def init_sharded(
+    opt: Optimizer,
+    params: Any,
+    mesh: Mesh,
+    param_specs: Any = None,
+    *,
+    rules: LogicalRules | None = None,
+) -> Optimizer:
+    """``opt.init(params)`` with the state created directly sharded (``jit(init, out_shardings=...)``).
+
+    The state is never materialized on one device: each device computes its own
+    shard of it. ``params`` should already live on the mesh (or on the host).
+
+    Args:
+        opt: an Optimizer (initialized or not; ``opt.init`` is what runs).
+        params: the params, plain arrays or flax-boxed (boxes are unboxed for init).
+        mesh: the ``jax.sharding.Mesh``.
+        param_specs: ``PartitionSpec``s shaped like params (mesh axes, or logical
+            names with ``rules``). ``None``: read from ``params`` with
+            :func:`param_specs_of` (flax boxes, or the arrays' ``NamedSharding``).
+        rules: flax linen logical axis rules, for logical specs.
+
+    Returns:
+        The initialized Optimizer, its step replicated and each state leaf sharded.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, numpy as np, optax, treeopt
+        >>> from jax.sharding import Mesh, PartitionSpec as P
+        >>> mesh = Mesh(np.array(jax.devices()).reshape(1, -1), ("data", "model"))
+        >>> specs = {"w": P(None, "model")}
+        >>> params = jax.device_put({"w": jnp.ones((2, 8))}, named_shardings(specs, mesh))
+        >>> tx = optax.adafactor(1e-2, min_dim_size_to_factor=2)
+        >>> opt = init_sharded(treeopt.Optimizer(tx), params, mesh, specs)
+        >>> opt.opt_state[0].v_col["w"].sharding.spec == P("model")   # (8,): the "model" axis kept
+        True
+    """
+    if param_specs is None:
+        param_specs = param_specs_of(params)
+    elif _has_boxes(param_specs):
+        param_specs = param_specs_of(param_specs)
+    if _has_boxes(params):
+        params = _unbox(params)
+    abstract = jax.eval_shape(opt.init, params)
+    shardings = optimizer_shardings(abstract, param_specs, mesh, rules=rules)
+    return jax.jit(opt.init, out_shardings=shardings)(params)
