@@ -1,0 +1,212 @@
+"""Shared machinery: interleaved timing, result rows, the environment record."""
+
+from __future__ import annotations
+
+import gc
+import os
+import platform
+import random
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from importlib import metadata
+from typing import Any
+
+import jax
+import numpy as np
+
+BASELINE = "optax"
+
+
+@dataclass
+class Profile:
+    """How much work each case does: ``full`` for the figures, ``quick`` for a smoke test."""
+
+    name: str
+    # case 1: (label, n_layers, width, batch, warmup, rounds, steps per round)
+    train_configs: Sequence[tuple[str, int, int, int, int, int, int]]
+    train_optimizers: Sequence[str]
+    # case 2: (optimizer, n_leaves, warmup, rounds, steps per round)
+    host_configs: Sequence[tuple[str, int, int, int, int]]
+    # case 3: (n_layers, width, raw-eager steps, treeopt-eager steps)
+    eager_config: tuple[int, int, int, int]
+    eager_optimizers: Sequence[str]
+    # case 4: (n_layers, width, batch, repeats)
+    compile_config: tuple[int, int, int, int]
+    compile_optimizers: Sequence[str]
+    # case 6: (n_layers, width, steps, change learning rate every)
+    retrace_config: tuple[int, int, int, int]
+    # case 7: number of fp32 params, steps
+    gpu_config: tuple[int, int]
+    nnx: bool = True
+
+
+FULL = Profile(
+    name="full",
+    train_configs=(
+        ("400 leaves (200 x 64x64)", 200, 64, 32, 5, 20, 5),
+        ("2,000 leaves (1000 x 32x32)", 1000, 32, 32, 3, 8, 5),
+        ("8 leaves (4 x 2048x2048)", 4, 2048, 8, 2, 12, 4),
+    ),
+    train_optimizers=("adam", "adamw", "adafactor"),
+    host_configs=(
+        ("adam", 400, 10, 20, 10),
+        ("adam", 2_000, 5, 10, 10),
+        ("sgd+momentum", 400, 10, 20, 10),
+        ("sgd+momentum", 2_000, 5, 10, 10),
+        ("sgd+momentum", 10_000, 3, 8, 5),
+    ),
+    eager_config=(200, 64, 6, 100),
+    eager_optimizers=("adam", "adamw", "adafactor"),
+    compile_config=(200, 64, 32, 3),
+    compile_optimizers=("adam", "adamw", "adafactor"),
+    retrace_config=(8, 16, 1_000, 100),
+    gpu_config=(1_000_000_000, 20),
+)
+
+QUICK = Profile(
+    name="quick",
+    train_configs=(("4 leaves (2 x 4x4)", 2, 4, 2, 1, 2, 2),),
+    train_optimizers=("adam",),
+    host_configs=(("adam", 4, 1, 2, 2),),
+    eager_config=(2, 4, 2, 2),
+    eager_optimizers=("adam",),
+    compile_config=(2, 4, 2, 1),
+    compile_optimizers=("adam",),
+    retrace_config=(2, 4, 20, 5),
+    gpu_config=(1 << 12, 2),
+)
+
+
+@dataclass
+class Row:
+    """One measured figure: a variant of a case, for one configuration."""
+
+    case: str
+    config: str
+    variant: str
+    value: float | None
+    unit: str
+    ratio: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "case": self.case,
+            "config": self.config,
+            "variant": self.variant,
+            "value": self.value,
+            "unit": self.unit,
+            "ratio_to_optax": self.ratio,
+            **self.extra,
+        }
+
+
+def with_ratios(rows: list[Row], baseline: str = BASELINE) -> list[Row]:
+    """Fills ``ratio`` of every row with its value over the baseline's value of the same config."""
+    base = {(r.case, r.config): r.value for r in rows if r.variant == baseline}
+    for r in rows:
+        b = base.get((r.case, r.config))
+        if r.value is not None and b:
+            r.ratio = r.value / b
+    return rows
+
+
+@dataclass
+class Stepper:
+    """A variant under timing: ``step()`` runs one step and returns an array to block on.
+
+    Every output of one XLA execution becomes ready together, so blocking on a
+    single output (the loss, a step counter) waits for the whole step without
+    paying to walk the whole output tree.
+    """
+
+    name: str
+    step: Callable[[], Any]
+    per_round: int | None = None  # steps per round, where it differs from the case's
+    first_call_s: float = 0.0
+    times: list[float] = field(default_factory=list)
+
+
+def first_call(stepper: Stepper) -> None:
+    """Runs the first step (trace, compile and run) and records how long it took."""
+    t0 = time.perf_counter()
+    jax.block_until_ready(stepper.step())
+    stepper.first_call_s = time.perf_counter() - t0
+
+
+def interleaved(steppers: Sequence[Stepper], warmup: int, rounds: int, per_round: int, seed: int = 0) -> None:
+    """Times every stepper side by side: ``rounds`` rounds of ``per_round`` steps each.
+
+    Interleaving spreads any load from other processes on the machine evenly
+    over the variants, so their ratios stay meaningful on a shared machine.
+    The order of the variants is shuffled every round (so none always follows
+    the same neighbour), and the first step after switching variants is run
+    untimed. Each step is timed alone (``perf_counter`` around the call and
+    ``block_until_ready``); the garbage collector is paused while timing.
+    """
+    for s in steppers:
+        for _ in range(warmup):
+            jax.block_until_ready(s.step())
+    rng = random.Random(seed)
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(rounds):
+            order = list(steppers)
+            rng.shuffle(order)
+            for s in order:
+                step = s.step
+                jax.block_until_ready(step())
+                for _ in range(s.per_round or per_round):
+                    t0 = time.perf_counter()
+                    jax.block_until_ready(step())
+                    s.times.append(time.perf_counter() - t0)
+    finally:
+        gc.enable()
+
+
+def release() -> None:
+    """Drops JAX's caches of compiled programs between configurations: the large ones hold GBs."""
+    jax.clear_caches()
+    gc.collect()
+
+
+def median_ms(times: Sequence[float]) -> float:
+    return statistics.median(times) * 1e3
+
+
+def spread(times: Sequence[float]) -> dict[str, float]:
+    """25th and 75th percentiles in ms, to show how noisy a median was."""
+    q = np.percentile(np.asarray(times) * 1e3, [25, 75])
+    return {"p25_ms": float(q[0]), "p75_ms": float(q[1]), "n": len(times)}
+
+
+def copy_tree(tree: Any) -> Any:
+    """A device copy of every array leaf, so donating one variant's buffers cannot touch another's."""
+    return jax.tree.map(lambda x: x.copy() if isinstance(x, jax.Array) else x, tree)
+
+
+def environment() -> dict[str, Any]:
+    """Versions and machine facts recorded with every run."""
+
+    def version(pkg: str) -> str | None:
+        try:
+            return metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            return None
+
+    device = jax.devices()[0]
+    return {
+        "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
+        "backend": jax.default_backend(),
+        "device": device.device_kind,
+        "device_count": jax.device_count(),
+        **{pkg: version(pkg) for pkg in ("jax", "jaxlib", "optax", "flax", "treeopt", "numpy")},
+    }

@@ -1,0 +1,174 @@
+"""Runs the benchmark suite: every case side by side, a table of medians and ratios, a JSON record.
+
+Usage::
+
+    python -m benchmarks.run                 # everything (the figures in docs/benchmarks.md)
+    python -m benchmarks.run --quick         # tiny sizes, a few seconds: a smoke test
+    python -m benchmarks.run --cases train_step,memory --markdown
+
+Results go to ``benchmarks/results/<UTC time>.json`` (and ``latest.json``);
+``--out`` picks another folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: python benchmarks/run.py
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks import (
+    compile_time,
+    eager,
+    gpu_bandwidth,
+    memory,
+    optimizer_only,
+    retrace,
+    train_step,
+)
+from benchmarks._common import FULL, QUICK, Row, environment, with_ratios
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+CASES: dict[str, tuple[str, Callable[..., list[Row]]]] = {
+    "train_step": ("1. Jitted train step (median ms per step)", train_step.run),
+    "optimizer_only": ("2. Optimizer-only step, tiny leaves (median ms per step)", optimizer_only.run),
+    "eager_update": ("3. Eager update, no user jit (median ms per update)", eager.run),
+    "compile_time": ("4. Trace + lower + compile of the train step (median s)", compile_time.run),
+    "memory": ("5. Compiled step memory, donated (temp + output - alias, MiB)", memory.run),
+    "retraces": ("6. Retraces after the first step, lr changed periodically", retrace.run),
+    "gpu_bandwidth": ("7. GPU: adam/adamw update bandwidth (GB/s, 28 bytes/param)", gpu_bandwidth.run),
+}
+
+# The extra figures each case's table shows beside the value and the ratio.
+NOTES: dict[str, Sequence[tuple[str, str]]] = {
+    "train_step": (("p25_ms", "p25 {:.2f}"), ("p75_ms", "p75 {:.2f}"), ("total_s", "compile {:.1f} s")),
+    "optimizer_only": (("p25_ms", "p25 {:.2f}"), ("p75_ms", "p75 {:.2f}"), ("pytree_us", "pytree {:.0f} us")),
+    "eager_update": (("p25_ms", "p25 {:.2f}"), ("p75_ms", "p75 {:.2f}")),
+    "compile_time": (("trace_s", "trace {:.2f}"), ("lower_s", "lower {:.2f}"), ("compile_s", "XLA {:.2f}")),
+    "memory": (
+        ("argument_size_in_bytes", "args {:,}"),
+        ("output_size_in_bytes", "out {:,}"),
+        ("temp_size_in_bytes", "temp {:,}"),
+        ("alias_size_in_bytes", "alias {:,}"),
+    ),
+    "retraces": (
+        ("first_step_traces", "first step: {} traced"),
+        ("compiles", "later compiles {}"),
+        ("max_abs_diff_to_optax", "|params - optax| {:.1e}"),
+    ),
+    "gpu_bandwidth": (("median_ms", "{:.2f} ms/step"), ("device", "{}")),
+}
+
+
+def _value(row: Row) -> str:
+    if row.value is None:
+        return "-"
+    if row.unit in ("ms", "s"):
+        return f"{row.value:.3f} {row.unit}" if row.value < 10 else f"{row.value:.1f} {row.unit}"
+    if row.unit == "MiB":
+        return f"{row.value:.2f} MiB"
+    if row.unit == "traces":
+        return f"{row.value:.0f}"
+    return f"{row.value:.1f} {row.unit}"
+
+
+def _notes(row: Row) -> str:
+    parts = []
+    for key, fmt in NOTES.get(row.case, ()):
+        if key in row.extra and row.extra[key] is not None:
+            parts.append(fmt.format(row.extra[key]))
+    return ", ".join(parts)
+
+
+def table(rows: Sequence[Row], markdown: bool = False) -> str:
+    """The rows of one case as a table: config, variant, value, ratio to raw optax, notes."""
+    header = ["config", "variant", "value", "x optax", "notes"]
+    body = [
+        [
+            r.config,
+            r.variant,
+            _value(r),
+            f"{r.ratio:.3f}" if r.ratio is not None else "-",
+            _notes(r),
+        ]
+        for r in rows
+    ]
+    if markdown:
+        lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        lines += ["| " + " | ".join(cells) + " |" for cells in body]
+        return "\n".join(lines)
+    widths = [max(len(c[i]) for c in [header, *body]) for i in range(len(header))]
+    fmt = "  ".join(f"{{:{'<' if i < 2 else '>'}{w}}}" for i, w in enumerate(widths[:-1])) + "  {}"
+    lines = [fmt.format(*header), fmt.format(*("-" * w for w in widths[:-1]), "-----")]
+    lines += [fmt.format(*cells) for cells in body]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny sizes and few steps: a smoke test")
+    parser.add_argument(
+        "--cases", default=",".join(CASES), help=f"comma-separated subset of: {', '.join(CASES)}"
+    )
+    parser.add_argument("--out", type=Path, default=RESULTS, help="folder for the JSON record")
+    parser.add_argument("--markdown", action="store_true", help="print the tables as markdown")
+    parser.add_argument("--no-nnx", action="store_true", help="leave out the flax.nnx variants")
+    parser.add_argument("--silent", action="store_true", help="no progress lines, only the tables")
+    args = parser.parse_args(argv)
+
+    selected = [c.strip() for c in args.cases.split(",") if c.strip()]
+    unknown = [c for c in selected if c not in CASES]
+    if unknown:
+        parser.error(f"unknown case(s) {unknown}; choose from {list(CASES)}")
+    profile = QUICK if args.quick else FULL
+    if args.no_nnx:
+        profile = dataclasses.replace(profile, nnx=False)
+
+    def log(message: str) -> None:
+        if not args.silent:
+            print(message, file=sys.stderr, flush=True)
+
+    env = environment()
+    log(
+        f"treeopt benchmarks ({profile.name}): jax {env['jax']}, optax {env['optax']}, flax {env['flax']}, "
+        f"{env['backend']} ({env['device']}), {env['cpu_count']} CPUs"
+    )
+    started = time.perf_counter()
+    results: dict[str, Any] = {"environment": env, "profile": profile.name, "cases": {}}
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{profile.name}.json"
+
+    def save() -> None:  # after every case, so a long run that stops early keeps what it measured
+        text = json.dumps(results, indent=1, default=str)
+        path.write_text(text)
+        (args.out / "latest.json").write_text(text)
+
+    for name in selected:
+        title, fn = CASES[name]
+        t0 = time.perf_counter()
+        rows = with_ratios(fn(profile, log=log))
+        results["cases"][name] = {
+            "title": title,
+            "seconds": time.perf_counter() - t0,
+            "rows": [r.as_dict() for r in rows],
+        }
+        save()
+        print(f"\n{'## ' if args.markdown else ''}{title}\n\n{table(rows, args.markdown)}", flush=True)
+    results["seconds"] = time.perf_counter() - started
+    results["environment"]["load_average_end"] = environment()["load_average"]
+    save()
+    log(f"\n{len(selected)} case(s) in {results['seconds']:.0f} s; results written to {path}")
+    results["path"] = str(path)
+    return results
+
+
+if __name__ == "__main__":
+    main()

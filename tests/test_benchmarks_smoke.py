@@ -1,0 +1,111 @@
+"""The benchmark suite runs end to end in --quick mode (tiny sizes). Nothing here is timed."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from benchmarks import _common, gpu_bandwidth, run
+
+CASE_VARIANTS = {
+    "train_step": {"optax", "treeopt", "TrainState", "nnx split/merge", "nnx.jit"},
+    "optimizer_only": {"optax", "treeopt"},
+    "eager_update": {"optax", "treeopt", "nnx.Optimizer", "optax (jax.jit)"},
+    "compile_time": {"optax", "treeopt"},
+    "memory": {"optax", "treeopt"},
+    "retraces": {"optax", "treeopt", "treeopt (eager)"},
+}
+
+
+def rows(results: dict, case: str) -> list[dict]:
+    return results["cases"][case]["rows"]
+
+
+def check_every_variant_is_measured_beside_optax(results: dict) -> None:
+    for case, variants in CASE_VARIANTS.items():
+        measured = rows(results, case)
+        assert {r["variant"] for r in measured} == variants, case
+        for r in measured:
+            assert math.isfinite(r["value"]) and r["value"] >= 0, r
+            if r["variant"] == "optax" and case != "retraces":
+                assert r["ratio_to_optax"] == 1.0
+
+
+def check_timings_are_medians_of_every_step(results: dict) -> None:
+    for r in rows(results, "train_step"):
+        assert r["p25_ms"] <= r["value"] <= r["p75_ms"], r
+        # rounds x steps per round of the quick profile; optax and treeopt are timed in
+        # two passes (each compiled first once) and their samples pooled.
+        passes = 2 if r["variant"] in ("optax", "treeopt") else 1
+        assert r["n"] == passes * 2 * 2, r
+        if r["variant"] != "nnx.jit":  # nnx.jit compiles on its first call; the others ahead of time
+            assert r["total_s"] == pytest.approx(r["trace_s"] + r["lower_s"] + r["compile_s"])
+
+
+def check_no_retrace_after_the_first_step(results: dict) -> None:
+    for r in rows(results, "retraces"):
+        assert r["first_step_traces"] >= 1, "the compile log was not captured"
+        assert r["value"] == 0 and r["compiles"] == 0, r
+        assert r["max_abs_diff_to_optax"] < 1e-6
+        assert r["final_learning_rate"] < 1e-3  # the changes took effect
+
+
+def check_treeopt_step_allocates_no_extra_copy(results: dict) -> None:
+    by_variant = {r["variant"]: r for r in rows(results, "memory")}
+    optax_, treeopt_ = by_variant["optax"], by_variant["treeopt"]
+    assert treeopt_["temp_size_in_bytes"] == optax_["temp_size_in_bytes"]
+    # treeopt's own int32 step counter is the only extra state (plus its tuple slot).
+    assert 0 <= treeopt_["output_size_in_bytes"] - optax_["output_size_in_bytes"] <= 16
+
+
+def check_gpu_case_skips_cleanly_without_a_gpu(results: dict) -> None:
+    (row,) = rows(results, "gpu_bandwidth")
+    if row["variant"].startswith("no GPU"):
+        assert row["value"] is None
+    else:
+        assert row["value"] > 0
+
+
+def test_quick_run_measures_every_case(tmp_path: Path) -> None:
+    # One test for the whole run: the suite compiles a few dozen small programs.
+    returned = run.main(["--quick", "--silent", "--out", str(tmp_path)])
+    saved = json.loads((tmp_path / "latest.json").read_text())
+    assert saved["profile"] == "quick" and returned["path"].startswith(str(tmp_path))
+    assert set(saved["cases"]) == set(run.CASES)
+    check_every_variant_is_measured_beside_optax(saved)
+    check_timings_are_medians_of_every_step(saved)
+    check_no_retrace_after_the_first_step(saved)
+    check_treeopt_step_allocates_no_extra_copy(saved)
+    check_gpu_case_skips_cleanly_without_a_gpu(saved)
+
+
+def test_gpu_case_code_path_runs_on_any_backend() -> None:
+    measured = gpu_bandwidth.run(_common.QUICK, log=lambda _: None, force=True)
+    assert [(r.config.split(",")[0], r.variant) for r in measured] == [
+        ("adam", "optax"),
+        ("adam", "treeopt"),
+        ("adamw", "optax"),
+        ("adamw", "treeopt"),
+    ]
+    for r in measured:
+        assert r.value is not None and r.value > 0
+        assert r.extra["lower_bound_bytes"] == gpu_bandwidth.BYTES_PER_PARAM * r.extra["n_params"]
+
+
+def test_markdown_table_has_one_line_per_row() -> None:
+    table_rows = [
+        _common.Row("c", "cfg", "optax", 2.0, "ms", 1.0),
+        _common.Row("c", "cfg", "treeopt", 1.0, "ms", 0.5),
+    ]
+    lines = run.table(table_rows, markdown=True).splitlines()
+    assert lines[0].startswith("| config | variant | value | x optax")
+    assert lines[2:] == ["| cfg | optax | 2.000 ms | 1.000 |  |", "| cfg | treeopt | 1.000 ms | 0.500 |  |"]
+
+
+def test_unknown_case_is_an_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        run.main(["--quick", "--cases", "nope"])
+    assert "unknown case(s) ['nope']" in capsys.readouterr().err
