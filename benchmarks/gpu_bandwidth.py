@@ -16,7 +16,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import optax
 
 import treeopt
 from benchmarks import models
@@ -34,18 +33,6 @@ class Loop:
     def step(self) -> Any:
         self.params, self.state = self.fn(self.params, self.grads, self.state)
         return self.params["w0"]
-
-
-def optax_update(tx: optax.GradientTransformation) -> Callable[..., Any]:
-    def update(params: Any, grads: Any, opt_state: Any) -> Any:
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state
-
-    return update
-
-
-def treeopt_update(params: Any, grads: Any, opt: treeopt.Optimizer) -> Any:
-    return opt.update(grads, params), opt
 
 
 def run(profile: Profile, log: Callable[[str], None] = print, force: bool = False) -> list[Row]:
@@ -70,10 +57,10 @@ def run(profile: Profile, log: Callable[[str], None] = print, force: bool = Fals
         for name in ("optax", "treeopt"):
             params = zeros()
             if name == "optax":
-                loop = Loop(jax.jit(optax_update(tx), donate_argnums=(0, 2)), params, grads, tx.init(params))
+                loop = Loop(jax.jit(models.optax_update(tx), donate_argnums=(0, 2)), params, grads, tx.init(params))
             else:
                 opt = treeopt.Optimizer(tx).init(params)
-                loop = Loop(jax.jit(treeopt_update, donate_argnums=(0, 2)), params, grads, opt)
+                loop = Loop(jax.jit(models.treeopt_update, donate_argnums=(0, 2)), params, grads, opt)
             stepper = Stepper(name, loop.step)
             first_call(stepper)
             interleaved([stepper], warmup=2, rounds=1, per_round=steps)

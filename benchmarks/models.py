@@ -6,6 +6,7 @@ a case runs the same math and only the optimizer plumbing differs.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -13,12 +14,29 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+import treeopt
+
 OPTIMIZERS = {
     "adam": lambda: optax.adam(1e-3),
     "adamw": lambda: optax.adamw(1e-3, weight_decay=1e-4),
     "adafactor": lambda: optax.adafactor(1e-3),
     "sgd+momentum": lambda: optax.sgd(1e-3, momentum=0.9),
 }
+
+
+def optax_update(tx: optax.GradientTransformation) -> Callable[..., Any]:
+    """One raw optax step over ``(params, grads, opt_state)``: the baseline of the update-only cases."""
+
+    def update(params: Any, grads: Any, opt_state: Any) -> Any:
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    return update
+
+
+def treeopt_update(params: Any, grads: Any, opt: treeopt.Optimizer) -> Any:
+    """The same step with a ``treeopt.Optimizer`` in place of the optax state."""
+    return opt.update(grads, params), opt
 
 
 def make_tx(name: str) -> optax.GradientTransformation:

@@ -26,7 +26,6 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import optax
 
 import treeopt
 from benchmarks import models
@@ -57,18 +56,6 @@ class Loop:
         return self.params["layers"][0]["kernel"]
 
 
-def optax_update(tx: optax.GradientTransformation) -> Callable[..., Any]:
-    def update(params: Any, grads: Any, opt_state: Any) -> Any:
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state
-
-    return update
-
-
-def treeopt_update(params: Any, grads: Any, opt: treeopt.Optimizer) -> Any:
-    return opt.update(grads, params), opt
-
-
 def pytree_cost_us(args: tuple[Any, ...], outputs: tuple[Any, ...], repeats: int = 50) -> float:
     """Median time (us) of flattening ``args`` and unflattening ``outputs`` from its leaves."""
     out_leaves, out_def = jax.tree.flatten(outputs)
@@ -90,10 +77,10 @@ def run(profile: Profile, log: Callable[[str], None] = print) -> list[Row]:
         log(f"[{CASE}] {config}: compiling")
 
         state = tx.init(params)
-        raw = Loop(jax.jit(optax_update(tx), donate_argnums=(0, 2)), copy_tree(params), grads, state)
+        raw = Loop(jax.jit(models.optax_update(tx), donate_argnums=(0, 2)), copy_tree(params), grads, state)
         pytree = {"optax": pytree_cost_us((params, grads, state), (params, state))}
         opt = treeopt.Optimizer(tx).init(params)
-        tree = Loop(jax.jit(treeopt_update, donate_argnums=(0, 2)), copy_tree(params), grads, opt)
+        tree = Loop(jax.jit(models.treeopt_update, donate_argnums=(0, 2)), copy_tree(params), grads, opt)
         pytree["treeopt"] = pytree_cost_us((params, grads, opt), (params, opt))
 
         steppers = [Stepper("optax", raw.step), Stepper("treeopt", tree.step)]
