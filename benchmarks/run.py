@@ -103,7 +103,8 @@ def table(rows: Sequence[Row], markdown: bool = False) -> str:
     ]
     if markdown:
         lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-        lines += ["| " + " | ".join(cells) + " |" for cells in body]
+        # A "|" inside a cell (e.g. "|params - optax|") would end the cell early.
+        lines += ["| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |" for cells in body]
         return "\n".join(lines)
     widths = [max(len(c[i]) for c in [header, *body]) for i in range(len(header))]
     fmt = "  ".join(f"{{:{'<' if i < 2 else '>'}{w}}}" for i, w in enumerate(widths[:-1])) + "  {}"

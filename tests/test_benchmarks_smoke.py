@@ -105,6 +105,12 @@ def test_markdown_table_has_one_line_per_row() -> None:
     assert lines[2:] == ["| cfg | optax | 2.000 ms | 1.000 |  |", "| cfg | treeopt | 1.000 ms | 0.500 |  |"]
 
 
+def test_markdown_table_escapes_pipes_inside_cells() -> None:
+    row = _common.Row("retraces", "cfg", "treeopt", 0.0, "traces", extra={"max_abs_diff_to_optax": 0.0})
+    (line,) = run.table([row], markdown=True).splitlines()[2:]
+    assert line.endswith(r"| \|params - optax\| 0.0e+00 |"), line
+
+
 def test_unknown_case_is_an_error(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         run.main(["--quick", "--cases", "nope"])
