@@ -12,26 +12,18 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import optax
 
 import treeopt
 from benchmarks import models
 from benchmarks._common import Profile, Row, copy_tree, release
-from benchmarks.train_step import aot
+from benchmarks.train_step import aot, optax_step
 
 CASE = "compile_time"
 
 
-def fresh_optax_step(tx: optax.GradientTransformation) -> Callable[..., Any]:
-    def step(params: Any, opt_state: Any, x: jax.Array) -> Any:
-        loss, grads = jax.value_and_grad(models.mlp_loss)(params, x)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    return step
-
-
 def fresh_treeopt_step() -> Callable[..., Any]:
+    """A new function object each call (``optax_step`` already builds one per call)."""
+
     def step(params: Any, opt: treeopt.Optimizer, x: jax.Array) -> Any:
         loss, grads = jax.value_and_grad(models.mlp_loss)(params, x)
         params = opt.update(grads, params)
@@ -57,7 +49,7 @@ def run(profile: Profile, log: Callable[[str], None] = print) -> list[Row]:
             log(f"[{CASE}] {config}: repeat {r + 1}/{repeats}")
             order = ["optax", "treeopt"] if r % 2 == 0 else ["treeopt", "optax"]
             for name in order:
-                fn = fresh_optax_step(tx) if name == "optax" else fresh_treeopt_step()
+                fn = optax_step(tx) if name == "optax" else fresh_treeopt_step()
                 stages, _ = aot(jax.jit(fn, donate_argnums=(0, 1)), *args[name])
                 times[name].append(stages)
                 release()

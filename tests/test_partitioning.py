@@ -456,7 +456,6 @@ def train_mlp(mesh, steps=3):
     def loss_fn(params, x, y):
         return jnp.mean((model.apply({"params": params}, x) - y) ** 2)
 
-    @jax.jit
     def train_step(params, opt, x, y):
         grads = jax.grad(loss_fn)(params, x, y)
         return opt.update(grads, params), opt
