@@ -90,3 +90,13 @@ def test_mask_given_to_inject_hyperparams_without_static_args_is_an_error():
     opt = treeopt.Optimizer(fixed).init(PARAMS)
     new = opt.update(jax.tree.map(jnp.zeros_like, PARAMS), PARAMS)  # decay only
     assert float(new["encoder"]["layers_0"]["kernel"][0, 0]) < 1.0 and float(new["embed"][0, 0]) == 1.0
+
+
+def test_params_that_are_one_bare_array_are_named_and_trained():
+    # Its only name is "": it must not be taken for the step count inject_hyperparams passes.
+    params = jnp.float32(2.0)
+    tx = optax.masked(optax.sgd(0.5), treeopt.mask("*"))
+    opt = treeopt.Optimizer(tx).init(params)
+    assert opt.paths == ("",)
+    assert float(opt.update(jnp.float32(1.0), params)) == 1.5
+    assert treeopt.labels({"*": "all"})(jnp.ones(3)) == "all"
