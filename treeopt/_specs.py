@@ -36,7 +36,7 @@ import optax
 from jax.sharding import PartitionSpec
 from jax.tree_util import DictKey, GetAttrKey, SequenceKey
 
-from treeopt._layout import ParamLayout
+from treeopt.layout import ParamLayout
 from treeopt._paths import _nnx_variable_type, path_to_name
 
 Shape = tuple[int, ...]

@@ -13,7 +13,7 @@ from jax.tree_util import GetAttrKey
 
 from treeopt import _specs, _state_dict
 from treeopt import hyperparams as _hyperparams
-from treeopt._layout import ParamLayout, Wrt, is_lookahead
+from treeopt.layout import ParamLayout, Wrt, is_lookahead
 
 _FIELDS = ("tx", "wrt", "_layout", "_lookahead", "step", "opt_state")
 

@@ -27,16 +27,19 @@ import jax
 from flax.core import meta
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from treeopt._specs import flat_param_specs, is_spec
+from treeopt._specs import derive_spec, flat_param_specs, is_spec, spec_leaves_with_names
 from treeopt.optimizer import Optimizer
 
 __all__ = [
+    "derive_spec",
     "init_sharded",
+    "is_spec",
     "logical_to_mesh_specs",
     "named_shardings",
     "optimizer_shardings",
     "optimizer_specs",
     "param_specs_of",
+    "spec_leaves_with_names",
 ]
 
 LogicalRules = Sequence[tuple[str, str | tuple[str, ...] | None]]

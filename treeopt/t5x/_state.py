@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from treeopt._layout import ParamLayout
+from treeopt.layout import ParamLayout
 from treeopt.optimizer import Optimizer as CoreOptimizer
 
 # -- flat named state <-> target-shaped state -----------------------------------------

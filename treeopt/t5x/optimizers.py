@@ -35,7 +35,7 @@ from flax.core import FrozenDict, unfreeze
 from jax.sharding import PartitionSpec
 from jax.tree_util import DictKey, GetAttrKey, SequenceKey
 
-from treeopt._layout import ParamLayout
+from treeopt.layout import ParamLayout
 from treeopt._paths import leaf_names, path_to_name
 from treeopt.hyperparams import get_hyperparams, set_hyperparams
 from treeopt.optimizer import Optimizer as CoreOptimizer

@@ -2,7 +2,16 @@
 
 Computed once at ``Optimizer.init`` and kept as static aux data, so flattening
 params to the flat named dict (and back) costs one ``jax.tree.flatten`` and an
-index lookup; names are never recomputed on the hot path.
+index lookup; names are never recomputed on the hot path. Public, so layers
+built on the core (``treeopt.t5x``) flatten and re-nest params the same way.
+
+Example:
+    >>> import jax.numpy as jnp
+    >>> from treeopt.layout import ParamLayout
+    >>> layout = ParamLayout.of({"dense": {"kernel": jnp.ones((2, 3)), "bias": jnp.zeros(3)}})
+    >>> flat, leaves = layout.split_params({"dense": {"kernel": jnp.ones((2, 3)), "bias": jnp.zeros(3)}})
+    >>> sorted(flat)
+    ['dense/bias', 'dense/kernel']
 """
 
 from __future__ import annotations
@@ -15,8 +24,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from treeopt._paths import check_unique, leaf_names
+from treeopt._paths import check_unique, leaf_names, path_to_name
 from treeopt.masks import name_matcher
+
+__all__ = ["ParamLayout", "Wrt", "is_float_array", "is_lookahead", "leaf_names", "path_to_name"]
 
 Wrt = Callable[[str, Any], bool] | str | Sequence[str] | None
 
