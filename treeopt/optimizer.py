@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -55,6 +55,177 @@ def _concrete_or_eager_autodiff(x: Any) -> bool:
             return False
         x = x.primal
     return True
+
+
+_CAPTURED = (
+    "Optimizer.update was called inside a JAX transformation (jax.jit, lax.scan, vmap, ...) "
+    "on an optimizer that was not passed into it: its state is concrete, so updating it in "
+    "place would leak tracers (or, under vmap, apply one update for the whole batch). Its "
+    "state is unchanged. Pass the optimizer as an argument and return it:\n"
+    "    @jax.jit\n"
+    "    def train_step(params, opt, batch):\n"
+    "        grads = jax.grad(loss_fn)(params, batch)\n"
+    "        params = opt.update(grads, params)\n"
+    "        return params, opt"
+)
+
+_FOREIGN_TRACE = (
+    "Optimizer.update was called inside an inner JAX transformation (a nested jax.jit, "
+    "lax.scan body, vmap, ...) that closes over an optimizer traced by an outer one: its "
+    "new state would belong to the inner trace and leak out of it. Pass the optimizer into "
+    "the inner function and return it, e.g. carry it through lax.scan."
+)
+
+# Traces under which an in-place update of a concrete optimizer is sound: none
+# (plain eager), and eager jax.grad/jvp of a function that holds the optimizer.
+_AUTODIFF_TRACES = frozenset({"EvalTrace", "JVPTrace", "LinearizeTrace"})
+
+
+def _current_trace() -> Any:
+    """The innermost active JAX trace, or None where this JAX does not expose it."""
+    try:
+        from jax._src import core as jax_core
+
+        return jax_core.trace_ctx.trace
+    except (ImportError, AttributeError):  # pragma: no cover - other JAX versions
+        return None
+
+
+def _refuse_capture(inputs: Any) -> None:
+    """Raises before touching the state when a concrete optimizer is updated inside a transformation."""
+    if not all(_concrete_or_eager_autodiff(x) for x in jax.tree.leaves(inputs)):
+        raise RuntimeError(_CAPTURED)
+    trace = _current_trace()
+    if trace is not None and type(trace).__name__ not in _AUTODIFF_TRACES:
+        raise RuntimeError(_CAPTURED)
+
+
+def _refuse_foreign_trace(step: Any) -> None:
+    """Raises when the optimizer's tracers belong to an outer trace than the one now active."""
+    trace = _current_trace()
+    own = getattr(step, "_trace", None)
+    if trace is None or own is None or trace is own:
+        return
+    if type(trace).__name__ not in _AUTODIFF_TRACES:
+        raise RuntimeError(_FOREIGN_TRACE)
+
+
+def _stable_dtypes(tx: optax.GradientTransformation, opt_state: Any, flat: Any, lookahead: bool) -> Any:
+    """``opt_state`` with the dtypes that ``tx.update`` gives it back.
+
+    Some transformations return a state leaf in another dtype than ``init``
+    made it (``inject_hyperparams(adamw)`` turns the ``mu`` of a bfloat16
+    param into float32 through its float32 hyperparameters). Fixing the dtypes
+    at init means one trace of the jitted step, and a state dict that always
+    loads into ``init`` / ``eval_shape(init)``. Found by tracing updates
+    (shapes only, nothing runs) until the dtypes stop changing.
+    """
+    grads = flat.fast if lookahead else flat
+    state = opt_state
+    for _ in range(3):
+        try:
+            after = jax.eval_shape(
+                functools.partial(_flat_step_traced, tx, extra_args={}, apply_updates=False),
+                jnp.zeros((), jnp.int32),
+                state,
+                grads,
+                flat,
+            ).opt_state
+        except Exception:  # needs extra args (value=, ...), or cannot run on zeros: keep init's
+            return state
+        before_leaves, treedef_ = jax.tree.flatten(state)
+        after_leaves, after_def = jax.tree.flatten(after)
+        treedef: Any = treedef_
+        if treedef != after_def:
+            return state
+        changed = [
+            b is not None and hasattr(b, "dtype") and a.dtype != b.dtype
+            for b, a in zip(before_leaves, after_leaves, strict=True)
+        ]
+        if not any(changed):
+            return state
+        state = treedef.unflatten(
+            [
+                jnp.asarray(b, a.dtype) if c else b
+                for b, a, c in zip(before_leaves, after_leaves, changed, strict=True)
+            ]
+        )
+    return state
+
+
+class FlatStep(NamedTuple):
+    """The result of :func:`flat_step`: the new step count, the new optax state, and its output."""
+
+    step: jax.Array
+    """The number of updates applied, incremented by one."""
+    opt_state: optax.OptState
+    """The optax state after the update."""
+    output: Any
+    """The new flat params (``apply_updates=True``) or the flat updates."""
+
+
+def _flat_step_traced(
+    tx: optax.GradientTransformation,
+    step: Any,
+    opt_state: Any,
+    flat_grads: Any,
+    flat_params: Any,
+    extra_args: Mapping[str, Any],
+    apply_updates: bool,
+) -> FlatStep:
+    """The step itself; :func:`flat_step` decides whether it runs traced or compiled."""
+    updates, new_state = tx.update(flat_grads, opt_state, flat_params, **extra_args)
+    out = optax.apply_updates(flat_params, updates) if apply_updates else updates
+    return FlatStep(jnp.asarray(step) + 1, new_state, out)
+
+
+# The eager path: one compiled program per (tx, avals) instead of many small ops.
+_flat_step_compiled = jax.jit(_flat_step_traced, static_argnums=(0, 6))
+
+
+def flat_step(
+    tx: optax.GradientTransformation,
+    step: Any,
+    opt_state: Any,
+    flat_grads: Mapping[str, Any],
+    flat_params: Mapping[str, Any] | None,
+    *,
+    apply_updates: bool = True,
+    extra_args: Mapping[str, Any] | None = None,
+) -> FlatStep:
+    """One optimizer step over the flat, named state: a pure function.
+
+    ``tx.update`` on ``{name: grad}`` and ``{name: param}``, then (with
+    ``apply_updates``) the updates applied. Under a JAX transformation it is
+    traced inline; called on concrete values it runs as one compiled program,
+    cached per ``tx`` and shapes. :meth:`Optimizer.update` is built on it, and
+    so are layers that keep the state in another shape (``treeopt.t5x``).
+
+    Args:
+        tx: the optax transformation (static: part of the compile key).
+        step: the number of updates applied so far (an int32 scalar).
+        opt_state: ``tx``'s state over the flat named params.
+        flat_grads: ``{name: gradient}``.
+        flat_params: ``{name: param}``, or ``None`` when ``tx`` does not read
+            params and ``apply_updates`` is False.
+        apply_updates: return the new params (default) or the updates.
+        extra_args: keyword arguments for ``tx.update`` (e.g. ``value=loss``).
+
+    Returns:
+        A :class:`FlatStep` ``(step + 1, new opt_state, new params or updates)``.
+
+    Example:
+        >>> import jax.numpy as jnp, optax
+        >>> tx = optax.sgd(0.5)
+        >>> params = {"w": jnp.ones(2)}
+        >>> out = flat_step(tx, jnp.int32(0), tx.init(params), {"w": jnp.ones(2)}, params)
+        >>> int(out.step), out.output["w"]
+        (1, Array([0.5, 0.5], dtype=float32))
+    """
+    extra = dict(extra_args or {})
+    if _is_tracer(step):
+        return _flat_step_traced(tx, step, opt_state, flat_grads, flat_params, extra, apply_updates)
+    return _flat_step_compiled(tx, step, opt_state, flat_grads, flat_params, extra, apply_updates)
 
 
 class Optimizer:
@@ -157,7 +328,7 @@ class Optimizer:
             )
         else:
             flat = layout.split_params(params)[0]
-        opt_state = jax.tree.map(_strong, self.tx.init(flat))
+        opt_state = _stable_dtypes(self.tx, jax.tree.map(_strong, self.tx.init(flat)), flat, lookahead)
         new = Optimizer._tree_unflatten(
             (self.tx, self.wrt, layout, lookahead), (jnp.zeros((), jnp.int32), opt_state)
         )
@@ -206,23 +377,23 @@ class Optimizer:
         flat_grads, rebuild_grads = layout.split_grads(grads)
         flat_params, merge_params = self._split_params(params)
         if _is_tracer(self.step):
-            out = self._update_flat(flat_grads, flat_params, apply_updates, extra_args)
+            _refuse_foreign_trace(self.step)
         else:
-            if not all(_concrete_or_eager_autodiff(g) for g in flat_grads.values()):
-                raise RuntimeError(
-                    "Optimizer.update was called inside a JAX transformation (jax.jit, vmap, "
-                    "grad, ...) on an optimizer that was not passed into it: its state is "
-                    "concrete while the gradients are traced, so updating it in place would "
-                    "leak tracers. Pass the optimizer as an argument and return it:\n"
-                    "    @jax.jit\n"
-                    "    def train_step(params, opt, batch):\n"
-                    "        grads = jax.grad(loss_fn)(params, batch)\n"
-                    "        params = opt.update(grads, params)\n"
-                    "        return params, opt"
-                )
-            new, out = _compiled_update(self, flat_grads, flat_params, extra_args, apply_updates)
-            object.__setattr__(self, "step", new.step)
-            object.__setattr__(self, "opt_state", new.opt_state)
+            _refuse_capture((flat_grads, flat_params, extra_args))
+        result = flat_step(
+            self.tx,
+            self.step,
+            self.opt_state,
+            flat_grads,
+            flat_params,
+            apply_updates=apply_updates,
+            extra_args=extra_args,
+        )
+        if not _is_tracer(self.step) and not _concrete_or_eager_autodiff(result.step):
+            raise RuntimeError(_CAPTURED)  # a trace we could not see from the inputs
+        object.__setattr__(self, "step", result.step)
+        object.__setattr__(self, "opt_state", result.opt_state)
+        out = result.output
         if apply_updates:
             return merge_params(out)
         if self._lookahead:
@@ -251,15 +422,6 @@ class Optimizer:
             )
 
         return optax.LookaheadParams(fast, slow), merge
-
-    def _update_flat(
-        self, flat_grads: Any, flat_params: Any, apply_updates: bool, extra_args: Mapping[str, Any]
-    ) -> Any:
-        """The step over the flat named dicts: new flat params, or the flat updates."""
-        updates, opt_state = self.tx.update(flat_grads, self.opt_state, flat_params, **extra_args)
-        object.__setattr__(self, "opt_state", opt_state)
-        object.__setattr__(self, "step", jnp.asarray(self.step) + 1)
-        return optax.apply_updates(flat_params, updates) if apply_updates else updates
 
     # -- hyperparameters ----------------------------------------------------------
 
@@ -435,12 +597,3 @@ jax.tree_util.register_pytree_with_keys(
     Optimizer._tree_unflatten,
     Optimizer._tree_flatten,
 )
-
-
-@functools.partial(jax.jit, static_argnames=("apply_updates",))
-def _compiled_update(
-    opt: Optimizer, flat_grads: Any, flat_params: Any, extra_args: Mapping[str, Any], apply_updates: bool
-) -> tuple[Optimizer, Any]:
-    """The eager path: one compiled program per (tx, params layout) instead of many small ops."""
-    out = opt._update_flat(flat_grads, flat_params, apply_updates, extra_args)
-    return opt, out
