@@ -8,6 +8,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.tree_util import GetAttrKey
 
@@ -110,6 +111,12 @@ def _refuse_foreign_trace(step: Any) -> None:
         raise RuntimeError(_FOREIGN_TRACE)
 
 
+def _narrow_float(leaf: Any) -> bool:
+    """A floating leaf narrower than 32 bits (bfloat16, float16, float8): the kind arithmetic promotes."""
+    dtype = getattr(leaf, "dtype", None)
+    return dtype is not None and jnp.issubdtype(dtype, jnp.inexact) and np.dtype(dtype).itemsize < 4
+
+
 def _stable_dtypes(tx: optax.GradientTransformation, opt_state: Any, flat: Any, lookahead: bool) -> Any:
     """``opt_state`` with the dtypes that ``tx.update`` gives it back.
 
@@ -120,6 +127,8 @@ def _stable_dtypes(tx: optax.GradientTransformation, opt_state: Any, flat: Any, 
     loads into ``init`` / ``eval_shape(init)``. Found by tracing updates
     (shapes only, nothing runs) until the dtypes stop changing.
     """
+    if not any(_narrow_float(leaf) for leaf in jax.tree.leaves(opt_state)):
+        return opt_state  # 32/64-bit state: nothing to promote, and tracing costs ~1 ms a leaf
     grads = flat.fast if lookahead else flat
     state = opt_state
     for _ in range(3):
