@@ -39,6 +39,9 @@ class Profile:
     retrace_config: tuple[int, int, int, int]
     # case 7: number of fp32 params, steps
     gpu_config: tuple[int, int]
+    # case 8: leaf counts, optimizer
+    many_leaves_counts: Sequence[int] = (1_000, 5_000, 10_000)
+    many_leaves_optimizer: str = "adam"
     nnx: bool = True
 
 
@@ -76,6 +79,7 @@ QUICK = Profile(
     compile_optimizers=("adam",),
     retrace_config=(2, 4, 20, 5),
     gpu_config=(1 << 12, 2),
+    many_leaves_counts=(8,),
 )
 
 

@@ -28,6 +28,7 @@ from benchmarks import (
     compile_time,
     eager,
     gpu_bandwidth,
+    many_leaves,
     memory,
     optimizer_only,
     retrace,
@@ -45,6 +46,7 @@ CASES: dict[str, tuple[str, Callable[..., list[Row]]]] = {
     "memory": ("5. Compiled step memory, donated (temp + output - alias, MiB)", memory.run),
     "retraces": ("6. Retraces after the first step, lr changed periodically", retrace.run),
     "gpu_bandwidth": ("7. GPU: adam/adamw update bandwidth (GB/s, 28 bytes/param)", gpu_bandwidth.run),
+    "many_leaves": ("8. Many tiny leaves: first step, trace + compile + run (s), own process", many_leaves.run),
 }
 
 # The extra figures each case's table shows beside the value and the ratio.
@@ -65,6 +67,7 @@ NOTES: dict[str, Sequence[tuple[str, str]]] = {
         ("max_abs_diff_to_optax", "|params - optax| {:.1e}"),
     ),
     "gpu_bandwidth": (("median_ms", "{:.2f} ms/step"), ("device", "{}")),
+    "many_leaves": (("peak_mib", "peak RSS {:,.0f} MiB"), ("init_s", "init {:.2f} s"), ("error", "{}")),
 }
 
 

@@ -17,6 +17,7 @@ CASE_VARIANTS = {
     "compile_time": {"optax", "treeopt"},
     "memory": {"optax", "treeopt"},
     "retraces": {"optax", "treeopt", "treeopt (eager)"},
+    "many_leaves": {"optax", "treeopt", "treeopt (eager)"},
 }
 
 
@@ -61,6 +62,12 @@ def check_treeopt_step_allocates_no_extra_copy(results: dict) -> None:
     assert 0 <= treeopt_["output_size_in_bytes"] - optax_["output_size_in_bytes"] <= 16
 
 
+def check_many_leaves_ran_each_variant_in_its_own_process(results: dict) -> None:
+    for r in rows(results, "many_leaves"):
+        assert "error" not in r, r
+        assert r["peak_mib"] > 50 and r["init_s"] >= 0, r  # a process that imported JAX
+
+
 def check_gpu_case_skips_cleanly_without_a_gpu(results: dict) -> None:
     (row,) = rows(results, "gpu_bandwidth")
     if row["variant"].startswith("no GPU"):
@@ -80,6 +87,7 @@ def test_quick_run_measures_every_case(tmp_path: Path) -> None:
     check_no_retrace_after_the_first_step(saved)
     check_treeopt_step_allocates_no_extra_copy(saved)
     check_gpu_case_skips_cleanly_without_a_gpu(saved)
+    check_many_leaves_ran_each_variant_in_its_own_process(saved)
 
 
 def test_gpu_case_code_path_runs_on_any_backend() -> None:
