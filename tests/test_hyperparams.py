@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -122,3 +124,162 @@ def test_set_hyperparams_is_functional_on_raw_states():
     new = treeopt.set_hyperparams(state, {"learning_rate": 0.01})
     assert float(treeopt.get_hyperparams(state)["learning_rate"]) == pytest.approx(0.1)
     assert float(treeopt.get_hyperparams(new)["learning_rate"]) == pytest.approx(0.01)
+
+
+# -- setting a value: checked, never truncated, never the caller's buffer ------------------
+
+
+def sgd_opt(**hyperparams):
+    return treeopt.Optimizer(optax.inject_hyperparams(optax.sgd)(**hyperparams)).init(PARAMS)
+
+
+def test_integer_hyperparameter_set_to_a_float_is_promoted_not_truncated():
+    opt = sgd_opt(learning_rate=1)
+    assert jnp.issubdtype(opt.learning_rate.dtype, jnp.integer)
+    opt.learning_rate = 0.5
+    assert opt.learning_rate.dtype == jnp.float32 and opt.learning_rate.shape == ()
+    assert float(opt.learning_rate) == 0.5
+    grads = grads_at(PARAMS, 0)
+    new = opt.update(grads, PARAMS)
+    expected = jax.tree.map(lambda p, g: p - 0.5 * g, PARAMS, grads)
+    for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6)
+    opt.learning_rate = 2  # an integer again: it stays a float, exactly
+    assert opt.learning_rate.dtype == jnp.float32 and float(opt.learning_rate) == 2.0
+
+
+def test_weight_decay_built_as_zero_then_set_to_a_small_float():
+    tx = optax.inject_hyperparams(optax.adamw)(learning_rate=0.1, weight_decay=0)
+    opt = treeopt.Optimizer(tx).init(PARAMS)
+    opt.weight_decay = 1e-2
+    assert float(opt.weight_decay) == pytest.approx(1e-2)
+
+
+def test_integer_hyperparameter_keeps_its_dtype_for_integers_in_range_and_refuses_others():
+    opt = sgd_opt(learning_rate=1)
+    dtype = opt.learning_rate.dtype
+    opt.learning_rate = 3
+    assert opt.learning_rate.dtype == dtype and int(opt.learning_rate) == 3
+    with pytest.raises(ValueError, match=r"'learning_rate' \(int32\[\]\): expected a value in the int32 range"):
+        opt.learning_rate = 2**40
+    with pytest.raises(ValueError, match=r"'learning_rate'.*int32 range.*got int 1180591620717411303424"):
+        opt.learning_rate = 2**70
+    assert int(opt.learning_rate) == 3
+
+
+@pytest.mark.parametrize(
+    ("value", "error", "message"),
+    [
+        (None, TypeError, "expected a real number, got None"),
+        ("0.1", TypeError, "expected a real number, got str '0.1'"),
+        (True, TypeError, "expected a real number, got bool True"),
+        (np.bool_(False), TypeError, "expected a real number, got bool"),
+        (1j, TypeError, r"expected a real number \(complex values are not hyperparameters\), got complex 1j"),
+        (jnp.asarray(0.5 + 1j), TypeError, r"expected a real number .*, got a complex64\[\] array"),
+        (float("nan"), ValueError, "expected a finite number, got float nan"),
+        (float("inf"), ValueError, "expected a finite number, got float inf"),
+        (np.float32(-np.inf), ValueError, "expected a finite number, got float32 "),
+        (jnp.asarray(jnp.nan), ValueError, r"expected a finite number, got a float32\[\] array"),
+        (jnp.ones(3), ValueError, r"expected a scalar, got a float32\[3\] array"),
+        ([0.1], ValueError, r"expected a scalar, got list \[0.1\]"),
+        (1e40, ValueError, r"expected a value in the float32 range \[-3.40282e\+38, 3.40282e\+38\], got float 1e\+40"),
+        (object(), TypeError, "expected a real number, got object"),
+    ],
+    ids=lambda v: None if isinstance(v, (type, str)) else repr(v)[:20],
+)
+def test_invalid_values_are_refused_naming_the_hyperparameter(value, error, message):
+    opt = sgd_opt(learning_rate=0.1)
+    before = opt.opt_state
+    with pytest.raises(error, match=r"^Cannot set hyperparameter 'learning_rate' \(float32\[\]\): " + message):
+        opt.learning_rate = value
+    assert opt.opt_state is before
+
+
+def test_refusals_name_the_qualified_hyperparameter():
+    tx = optax.multi_transform(
+        {
+            "decay": optax.inject_hyperparams(optax.adamw)(learning_rate=0.1),
+            "plain": optax.inject_hyperparams(optax.sgd)(learning_rate=0.2),
+        },
+        treeopt.labels({"*kernel": "decay"}, default="plain"),
+    )
+    opt = treeopt.Optimizer(tx).init(PARAMS)
+    with pytest.raises(TypeError, match=r"Cannot set hyperparameter 'decay/learning_rate' .* got None"):
+        opt.set_hyperparams({"decay/learning_rate": None})
+    with pytest.raises(ValueError, match=r"'plain/learning_rate' .*finite.* got float nan"):
+        opt.set_hyperparams({"plain/learning_rate": float("nan")})
+
+
+def test_a_hyperparameter_array_takes_a_scalar_or_exactly_its_shape():
+    tx = optax.inject_hyperparams(optax.sgd)(learning_rate=jnp.full((2,), 0.1))
+    state = tx.init(PARAMS)
+    new = treeopt.set_hyperparams(state, {"learning_rate": 0.5})
+    np.testing.assert_array_equal(treeopt.get_hyperparams(new)["learning_rate"], [0.5, 0.5])
+    new = treeopt.set_hyperparams(state, {"learning_rate": np.array([0.25, 0.75])})
+    got = treeopt.get_hyperparams(new)["learning_rate"]
+    assert got.dtype == jnp.float32
+    np.testing.assert_array_equal(got, [0.25, 0.75])
+    with pytest.raises(ValueError, match=r"\(float32\[2\]\): expected a scalar or a float32\[2\] array, got a"):
+        treeopt.set_hyperparams(state, {"learning_rate": np.ones(3)})
+
+
+def test_the_stored_value_is_a_copy_so_donating_the_optimizer_keeps_the_callers_array():
+    @functools.partial(jax.jit, donate_argnums=1)
+    def step(params, opt):
+        return opt.update(grads_at(params, 0), params), opt
+
+    base_lr = jnp.array(0.01, jnp.float32)  # same dtype and shape as the state's value
+    opt = sgd_opt(learning_rate=0.1)
+    opt.learning_rate = base_lr
+    assert opt.learning_rate.unsafe_buffer_pointer() != base_lr.unsafe_buffer_pointer()
+    params, opt = step(PARAMS, opt)
+    assert not base_lr.is_deleted()
+    assert float(base_lr) == pytest.approx(0.01)
+    opt.learning_rate = base_lr * 2
+    params, opt = step(params, opt)
+    assert float(opt.learning_rate) == pytest.approx(0.02)
+
+
+def test_floats_keep_the_aval_weak_types_included_so_nothing_retraces():
+    tx = optax.inject_hyperparams(optax.sgd)(learning_rate=1)  # optax stores a weakly typed int32
+    state = tx.init(PARAMS)
+    traces = 0
+
+    @jax.jit
+    def step(state):
+        nonlocal traces
+        traces += 1
+        return tx.update(grads_at(PARAMS, 0), state, PARAMS)
+
+    step(state)
+    for value in (2, np.int32(3), jnp.asarray(4)):
+        state = treeopt.set_hyperparams(state, {"learning_rate": value})
+        step(state)
+    assert traces == 1
+    # A weakly typed float (as a hand-built state may hold) stays weakly typed too.
+    weak = jnp.asarray(0.1)
+    inner = state._replace(hyperparams={"learning_rate": weak})
+    new = treeopt.set_hyperparams(inner, {"learning_rate": 0.2})
+    lr = treeopt.get_hyperparams(new)["learning_rate"]
+    assert lr.weak_type and lr.dtype == weak.dtype and float(lr) == pytest.approx(0.2)
+
+
+def test_setting_every_hyperparameter_of_a_built_optimizer_compiles_once():
+    traces = 0
+
+    @jax.jit
+    def step(params, opt):
+        nonlocal traces
+        traces += 1
+        return opt.update(grads_at(params, 0), params), opt
+
+    opt = treeopt.Optimizer(optax.inject_hyperparams(optax.adam)(learning_rate=1, b1=0.9)).init(PARAMS)
+    params = PARAMS
+    params, opt = step(params, opt)
+    for value in (2, np.int64(3), jnp.asarray(4, jnp.int32)):
+        opt.learning_rate = value
+        opt.b1 = jnp.asarray(0.5)  # weakly typed: the state's value stays strong
+        opt.eps = jnp.float32(1e-6)
+        opt.b2 = np.float64(0.99)
+        params, opt = step(params, opt)
+    assert traces == 1

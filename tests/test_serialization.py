@@ -448,3 +448,182 @@ def test_warm_start_keeps_the_targets_hyperparameters_unless_asked():
     np.testing.assert_array_equal(warm.opt_state.inner_state[0].mu["out/0"], source.opt_state.inner_state[0].mu["out/0"])
     warm, _ = ser.warm_start(treeopt.Optimizer(tx).init(params), source, hyperparams=True)
     assert float(warm.learning_rate) == pytest.approx(0.5)
+
+
+# -- nothing lost, nothing silent ------------------------------------------------------------
+
+
+@functools.partial(jax.jit, donate_argnums=1)
+def donating_step(params, opt):
+    return opt.update(_grads(params, 0), params), opt
+
+
+def _buffers(tree):
+    return {shard.data.unsafe_buffer_pointer() for x in jax.tree.leaves(tree) for shard in x.addressable_shards}
+
+
+def _shares_no_buffer(a, b):
+    return not (_buffers(a) & _buffers(b))
+
+
+def _alive_and_equal(opt, before):
+    """``opt``'s leaves are not deleted and hold ``before`` (a numpy copy of its state dict)."""
+    leaves = jax.tree.leaves(opt)
+    assert not any(x.is_deleted() for x in leaves)
+    now = as_numpy(opt)
+    assert now.keys() == before.keys()
+    for k in now:
+        np.testing.assert_array_equal(now[k], before[k], err_msg="/".join(k))
+
+
+def test_loaded_leaves_are_copies_so_donating_the_loaded_optimizer_keeps_the_source():
+    params, source = train(PARAMS, treeopt.Optimizer(optax.adam(1e-2)).init(PARAMS), 2)
+    before = as_numpy(source)
+    targets = {
+        "init": treeopt.Optimizer(source.tx).init(PARAMS),
+        "committed": jax.device_put(treeopt.Optimizer(source.tx).init(PARAMS), jax.devices()[0]),
+        "abstract": jax.eval_shape(treeopt.Optimizer(source.tx).init, PARAMS),
+    }
+    for name, target in targets.items():
+        restored = target.load_state_dict(source.state_dict())
+        assert _shares_no_buffer(restored, source), name
+        donating_step(params, restored)
+        _alive_and_equal(source, before)
+    warm, _ = ser.warm_start(treeopt.Optimizer(optax.adamw(1e-2)).init(PARAMS), source.state_dict())
+    assert _shares_no_buffer(warm, source)
+    donating_step(params, warm)
+    _alive_and_equal(source, before)
+
+
+def test_loading_onto_sharded_leaves_copies_and_keeps_the_placement():
+    mesh = jax.make_mesh((4,), ("x",), devices=jax.devices()[:4])
+    sharding = NamedSharding(mesh, P("x"))
+    params = {"w": jax.device_put(jnp.arange(16.0).reshape(8, 2), sharding)}
+    params, source = train(params, treeopt.Optimizer(optax.adam(1e-2)).init(params), 2)
+    before = as_numpy(source)
+
+    # Every leaf placed on the mesh: the loaded leaves are where the target's are.
+    target = treeopt.Optimizer(source.tx).init(params)
+    specs = target.partition_specs({"w": P("x")})
+    target = jax.device_put(target, jax.tree.map(lambda s: NamedSharding(mesh, s), specs))
+    restored = target.load_state_dict(source.state_dict())
+    assert _shares_no_buffer(restored, source)
+    for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(target), strict=True):
+        assert got.sharding.is_equivalent_to(want.sharding, got.ndim)
+    assert restored.opt_state[0].mu["w"].sharding.is_equivalent_to(sharding, 2)
+    donating_step(params, restored)
+    _alive_and_equal(source, before)
+
+    # A plain init (its counts uncommitted): the loaded optimizer still runs beside the mesh.
+    plain = treeopt.Optimizer(source.tx).init(params)
+    restored = plain.load_state_dict(source.state_dict())
+    assert _shares_no_buffer(restored, source)
+    assert restored.opt_state[0].mu["w"].sharding.is_equivalent_to(sharding, 2)
+    donating_step(params, restored)
+    _alive_and_equal(source, before)
+
+
+def test_names_split_into_nested_dicts_are_reported_as_nested_not_missing_and_unexpected():
+    params = {"a": {"b": jnp.ones(2)}, "c": jnp.ones(3)}
+    opt = treeopt.Optimizer(optax.adam(1e-2)).init(params)
+    # A '/'-separated flatten/unflatten splits the parameter name "a/b" into nested dicts.
+    sd = flax.traverse_util.unflatten_dict(flax.traverse_util.flatten_dict(opt.state_dict(), sep="/"), sep="/")
+    assert sd["opt_state"]["0"]["mu"]["a"]["b"].shape == (2,)
+    with pytest.raises(ser.StateDictError) as info:
+        opt.load_state_dict(sd)
+    report = info.value.report
+    assert report.missing == () and report.unexpected == () and report.mismatched == ()
+    assert report.misnested == (
+        ("opt_state/0/mu/a/b", "sd['opt_state']['0']['mu']['a']['b']", "sd['opt_state']['0']['mu']['a/b']"),
+        ("opt_state/0/nu/a/b", "sd['opt_state']['0']['nu']['a']['b']", "sd['opt_state']['0']['nu']['a/b']"),
+    )
+    message = str(info.value)
+    assert "nested differently" in message and "split into nested dicts" in message
+    assert "found at sd['opt_state']['0']['mu']['a']['b'], expected at sd['opt_state']['0']['mu']['a/b']" in message
+    assert message.count("opt_state/0/mu/a/b") == 1
+    assert "saved from another model" not in message
+    assert ser.check_state_dict(opt, sd) == report
+    with pytest.warns(ser.StateDictWarning, match="nested differently"):
+        restored = opt.load_state_dict(sd, strict=False)
+    assert int(restored.step) == int(opt.step)
+    # warm_start says the same.
+    _, warm_report = ser.warm_start(opt, sd)
+    assert [m[0] for m in warm_report.misnested] == ["opt_state/0/mu/a/b", "opt_state/0/nu/a/b"]
+    assert not any("a/b" in p for p in warm_report.missing + warm_report.unexpected)
+
+
+def _sd_with_step(step):
+    sd = fresh("sgd").state_dict()
+    sd["step"] = step
+    return sd
+
+
+def test_a_step_out_of_the_int32_range_is_an_error_naming_step_and_the_range():
+    with pytest.raises(ser.StateDictError) as info:
+        fresh("sgd").load_state_dict(_sd_with_step(2**40))
+    assert "step: expected int32[], got int 1099511627776 (outside the int32 range [-2147483648, 2147483647])" in str(
+        info.value
+    )
+    assert info.value.report.mismatched[0][0] == "step"
+    with pytest.raises(ser.StateDictError, match=r"step: expected int32\[\], got int -2147483649 \(outside"):
+        fresh("sgd").load_state_dict(_sd_with_step(-(2**31) - 1))
+    assert int(fresh("sgd").load_state_dict(_sd_with_step(2**31 - 1)).step) == 2**31 - 1
+
+
+@pytest.mark.parametrize(
+    ("step", "got"),
+    [
+        (5.7, r"float 5.7 \(not an integer\)"),
+        (-0.5, r"float -0.5 \(not an integer\)"),
+        (float("nan"), r"float nan \(not an integer\)"),
+        (float("inf"), r"float inf \(not an integer\)"),
+        (True, r"bool True \(a bool\)"),
+        (np.float32(5.0), r"float32\[\]"),
+        (jnp.asarray(5.0), r"float32\[\]"),
+    ],
+    ids=repr,
+)
+def test_a_value_that_would_lose_part_of_itself_in_an_int_leaf_is_refused(step, got):
+    with pytest.raises(ser.StateDictError, match=r"step: expected int32\[\], got " + got):
+        fresh("sgd").load_state_dict(_sd_with_step(step))
+
+
+def test_integral_python_floats_load_into_int_leaves():
+    restored = fresh("sgd").load_state_dict(_sd_with_step(5.0))
+    assert int(restored.step) == 5 and restored.step.dtype == jnp.int32
+
+
+def test_python_scalars_out_of_a_float_leaf_s_range_or_of_another_kind_are_refused():
+    tx = optax.apply_if_finite(optax.inject_hyperparams(optax.adam)(learning_rate=0.1), 3)
+    opt = treeopt.Optimizer(tx).init(PARAMS)
+    sd = opt.state_dict()
+    hp = sd["opt_state"]["inner_state"]["hyperparams"]
+    hp["learning_rate"] = 1e40
+    with pytest.raises(ser.StateDictError, match=r"learning_rate: expected float32\[\], got float 1e\+40 \(outside the float32 range"):
+        opt.load_state_dict(sd)
+    hp["learning_rate"] = 10**400
+    with pytest.raises(ser.StateDictError, match=r"learning_rate: expected float32\[\], got int 1000.* \(outside the float32"):
+        opt.load_state_dict(sd)
+    hp["learning_rate"] = 3  # an int into a float leaf: exact
+    sd["opt_state"]["last_finite"] = False
+    restored = opt.load_state_dict(sd)
+    assert float(restored.learning_rate) == 3.0 and not bool(restored.opt_state.last_finite)
+    sd["opt_state"]["last_finite"] = 1
+    with pytest.raises(ser.StateDictError, match=r"last_finite: expected bool\[\], got int 1 \(not a bool\)"):
+        opt.load_state_dict(sd)
+
+
+def test_none_or_a_string_where_an_array_is_expected_names_the_path():
+    sd = fresh("adam").state_dict()
+    sd["step"] = None
+    sd["opt_state"]["0"]["mu"]["dense/bias"] = "zeros"
+    with pytest.raises(ser.StateDictError) as info:
+        fresh("adam").load_state_dict(sd)
+    message = str(info.value)
+    assert "step: expected int32[], got None" in message
+    assert "opt_state/0/mu/dense/bias: expected float32[4], got str 'zeros'" in message
+    assert info.value.report.missing == ()
+    # None where the optimizer has no leaf is nothing, as in a state dict of optax None fields.
+    sd = fresh("adam").state_dict()
+    sd["opt_state"]["0"]["extra"] = None
+    assert ser.check_state_dict(fresh("adam"), sd).ok

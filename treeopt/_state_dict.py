@@ -15,7 +15,12 @@ stored as their ``jax.random.key_data`` (``uint32``) and wrapped back on load.
 
 Loading matches leaves by path: every missing, unexpected and shape/dtype
 mismatched path is listed in one error (``strict=True``), or loaded where it
-matches and reported otherwise (``strict=False``).
+matches and reported otherwise (``strict=False``). Python scalars load only
+where nothing is lost (no fractional step, nothing out of the leaf's range);
+``None`` or a string where an array is expected is a mismatch; entries whose
+parameter name was split on ``"/"`` into nested dicts are reported as such.
+Loaded arrays are copies, so the loaded optimizer can be donated to a jitted
+step without deleting the caller's arrays.
 
 This module only sees the Optimizer through its pytree and a few attributes,
 so ``optimizer.py`` can import it.
@@ -68,6 +73,11 @@ class LoadReport:
             (they keep the optimizer's current values).
         renamed: for ``warm_start`` only: ``{target path: source path}`` of the leaves
             matched by their state field and parameter name rather than by full path.
+        misnested: ``(path, found, expected)`` for entries present under the same
+            ``"/"``-joined path but nested differently, typically a parameter name
+            such as ``"dense/kernel"`` split into nested dicts, e.g.
+            ``("opt_state/0/mu/dense/kernel", "sd['opt_state']['0']['mu']['dense']['kernel']",
+            "sd['opt_state']['0']['mu']['dense/kernel']")`` (not loaded).
 
     Example:
         >>> import jax.numpy as jnp, optax, treeopt
@@ -88,14 +98,15 @@ class LoadReport:
     unexpected: tuple[str, ...] = ()
     mismatched: tuple[tuple[str, str, str], ...] = ()
     renamed: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    misnested: tuple[tuple[str, str, str], ...] = ()
 
     @property
     def ok(self) -> bool:
-        """True when every path matched: nothing missing, unexpected or mismatched."""
-        return not (self.missing or self.unexpected or self.mismatched)
+        """True when every path matched: nothing missing, unexpected, mismatched or misnested."""
+        return not (self.missing or self.unexpected or self.mismatched or self.misnested)
 
     def problems(self) -> str:
-        """The missing, unexpected and mismatched paths, one per line ("" when ``ok``)."""
+        """The missing, unexpected, mismatched and misnested paths, one per line ("" when ``ok``)."""
         lines = []
         if self.missing:
             lines.append(f"missing ({len(self.missing)}):")
@@ -106,6 +117,16 @@ class LoadReport:
         if self.mismatched:
             lines.append(f"shape/dtype mismatch ({len(self.mismatched)}):")
             lines.extend(f"  {p}: expected {e}, got {g}" for p, e, g in self.mismatched)
+        if self.misnested:
+            lines.append(f"nested differently, names split or joined on '/' ({len(self.misnested)}):")
+            lines.extend(f"  {p}: found at {f}, expected at {e}" for p, f, e in self.misnested)
+            lines.append(
+                "  These entries are in the state dict, but nested differently: the optimizer keys "
+                "each parameter's state by its full name, which contains '/', and these names were "
+                "split into nested dicts (or nested dicts were joined into one key), e.g. by "
+                "flax.traverse_util.flatten_dict/unflatten_dict with sep='/'. Key each entry as "
+                "opt.state_dict() does."
+            )
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -207,10 +228,12 @@ def _plainify(x: Any) -> Any:
     return out
 
 
-def flatten(state_dict: Any, prefix: Path = ()) -> dict[Path, Any]:
+def flatten(state_dict: Any, prefix: Path = (), keep_none: bool = False) -> dict[Path, Any]:
     """``{path: leaf}`` of a nested state dict; empty dicts and ``None`` hold no leaves.
 
-    Lists and tuples (as some readers return them) are keyed by position.
+    Lists and tuples (as some readers return them) are keyed by position. With
+    ``keep_none``, ``None`` values are kept as leaves (so that loading can say
+    that a leaf is ``None`` rather than missing).
 
     Example:
         >>> flatten({"step": 1, "opt_state": {"0": {"mu": {"a/b": 2}}, "1": {}}})
@@ -222,9 +245,9 @@ def flatten(state_dict: Any, prefix: Path = ()) -> dict[Path, Any]:
     elif isinstance(state_dict, (list, tuple)) and not hasattr(state_dict, "_fields"):
         items = enumerate(state_dict)
     else:
-        return {prefix: state_dict} if state_dict is not None else {}
+        return {prefix: state_dict} if state_dict is not None or keep_none else {}
     for key, value in items:
-        out.update(flatten(value, (*prefix, str(key))))
+        out.update(flatten(value, (*prefix, str(key)), keep_none))
     return out
 
 
@@ -316,35 +339,102 @@ def slots(opt: Any) -> tuple[dict[Path, _Slot], Any, list[Any]]:
     return out, treedef, leaves
 
 
-def _fits(slot: _Slot, value: Any) -> bool:
+def _given(value: Any) -> str:
+    text = repr(value)
+    return f"{type(value).__name__} {text[:60] + '...' if len(text) > 60 else text}"
+
+
+def _scalar_misfit(slot: _Slot, value: bool | int | float) -> str | None:
+    """Why a Python scalar cannot load into ``slot`` without losing part of it (None: it can)."""
+    dtype = np.dtype(slot.dtype)
+    if slot.shape != () or is_key(slot.leaf) or dtype.kind not in "biuf":
+        return _given(value)
+    if (dtype.kind == "b") != isinstance(value, bool):
+        return f"{_given(value)} ({'a bool' if isinstance(value, bool) else 'not a bool'})"
+    if dtype.kind in "iu":
+        if isinstance(value, float) and not (np.isfinite(value) and value == int(value)):
+            return f"{_given(value)} (not an integer)"
+        info = np.iinfo(dtype)
+        if not info.min <= int(value) <= info.max:
+            return f"{_given(value)} (outside the {dtype.name} range [{info.min}, {info.max}])"
+    elif dtype.kind == "f":
+        try:
+            x = float(value)
+        except OverflowError:  # an int beyond float64
+            x = None
+        with np.errstate(over="ignore"):
+            overflows = x is None or (np.isfinite(x) and not np.isfinite(np.asarray(x).astype(dtype)))
+        if overflows:
+            big = float(jnp.finfo(dtype).max)
+            return f"{_given(value)} (outside the {dtype.name} range [{-big:g}, {big:g}])"
+    return None
+
+
+def _misfit(slot: _Slot, value: Any) -> str | None:
+    """Why ``value`` cannot load into ``slot``, as the "got ..." of an error (None: it can)."""
     if isinstance(value, _SCALARS) and not isinstance(value, np.generic):
-        return slot.shape == () and not is_key(slot.leaf) and np.dtype(slot.dtype).kind in "biuf"
+        return _scalar_misfit(slot, value)
+    if value is None:
+        return "None"
+    if isinstance(value, (str, bytes)):
+        return _given(value)
     if not (hasattr(value, "shape") and hasattr(value, "dtype")):
-        return False
+        return _describe(value)
     if is_key(value):
-        return is_key(slot.leaf) and value.dtype == slot.leaf.dtype and value.shape == slot.leaf.shape
-    return tuple(value.shape) == slot.shape and _dtype_name(value.dtype) == _dtype_name(slot.dtype)
+        if is_key(slot.leaf) and value.dtype == slot.leaf.dtype and value.shape == slot.leaf.shape:
+            return None
+        return _describe(value)
+    if tuple(value.shape) == slot.shape and _dtype_name(value.dtype) == _dtype_name(slot.dtype):
+        return None
+    return _describe(value)
 
 
-def match(
-    slots_: Mapping[Path, _Slot], source: Mapping[Path, Any]
-) -> tuple[dict[Path, Path], LoadReport]:
-    """``({target path: source path}, report)`` matching by exact path."""
+def _subscript(path: Path) -> str:
+    return "sd" + "".join(f"[{k!r}]" for k in path)
+
+
+def _misnested(
+    missing: Iterable[Path], unexpected: Iterable[Path]
+) -> tuple[list[Path], list[Path], list[tuple[str, str, str]]]:
+    """``(missing, unexpected, misnested)``: a missing and an unexpected path that read the same
+    once joined by ``"/"`` are the same entry nested differently (a name split on ``"/"``)."""
+    by_str: dict[str, list[Path]] = {}
+    for path in unexpected:
+        by_str.setdefault(path_str(path), []).append(path)
+    still_missing, misnested, taken = [], [], set()
+    for path in missing:
+        found = sorted(q for q in by_str.get(path_str(path), []) if q != path)
+        if not found:
+            still_missing.append(path)
+            continue
+        taken.update(found)
+        misnested.append((path_str(path), _subscript(found[0]), _subscript(path)))
+    return still_missing, [p for p in unexpected if p not in taken], misnested
+
+
+def match(slots_: Mapping[Path, _Slot], source: Mapping[Path, Any]) -> tuple[dict[Path, Path], LoadReport]:
+    """``({target path: source path}, report)`` matching by exact path.
+
+    A ``None`` in ``source`` at a path of ``slots_`` is a mismatch; elsewhere it is ignored.
+    """
     pairs: dict[Path, Path] = {}
-    missing, mismatched = [], []
+    missing: list[Path] = []
+    mismatched = []
     for path, slot in slots_.items():
         if path not in source:
-            missing.append(path_str(path))
-        elif not _fits(slot, source[path]):
-            mismatched.append((path_str(path), slot.expected, _describe(source[path])))
+            missing.append(path)
+        elif (why := _misfit(slot, source[path])) is not None:
+            mismatched.append((path_str(path), slot.expected, why))
         else:
             pairs[path] = path
-    unexpected = sorted(path_str(p) for p in source if p not in slots_)
+    unexpected = [p for p, v in source.items() if p not in slots_ and v is not None]
+    missing, unexpected, misnested = _misnested(missing, unexpected)
     report = LoadReport(
         loaded=tuple(sorted(path_str(p) for p in pairs)),
-        missing=tuple(sorted(missing)),
-        unexpected=tuple(unexpected),
+        missing=tuple(sorted(path_str(p) for p in missing)),
+        unexpected=tuple(sorted(path_str(p) for p in unexpected)),
         mismatched=tuple(sorted(mismatched)),
+        misnested=tuple(sorted(misnested)),
     )
     return pairs, report
 
@@ -477,9 +567,19 @@ def _key_impl(leaf: Any) -> Any:
     return getattr(leaf.dtype, "_impl", None)
 
 
-def convert(slot: _Slot, value: Any) -> Any:
-    """``value`` (from a state dict) as the target leaf wants it: dtype, key type, sharding."""
+def convert(slot: _Slot, value: Any, copy: bool = False) -> Any:
+    """``value`` (from a state dict) as the target leaf wants it: dtype, key type, sharding.
+
+    With ``copy``, a concrete ``jax.Array`` is never returned as is (nor placed by
+    aliasing it): the result is a new buffer, so donating it leaves ``value`` alive.
+    Other values become new device arrays anyway.
+    """
     sharding = slot.sharding
+    if sharding is not None and isinstance(slot.leaf, jax.Array) and not slot.leaf.committed:
+        # A leaf of a plain init is uncommitted: committing the loaded one to one device
+        # would make jit refuse it beside params placed on a mesh.
+        sharding = None
+    alias = copy and isinstance(value, jax.Array) and not isinstance(value, jax.core.Tracer)
     if is_key(slot.leaf):
         if not is_key(value):
             value = jax.random.wrap_key_data(jnp.asarray(value, jnp.uint32), impl=_key_impl(slot.leaf))
@@ -488,7 +588,9 @@ def convert(slot: _Slot, value: Any) -> Any:
     if isinstance(value, jax.core.Tracer):
         return value
     if sharding is not None:
-        return jax.device_put(value, sharding)
+        return jax.device_put(value, sharding, may_alias=False) if alias else jax.device_put(value, sharding)
+    if alias:
+        return jnp.array(value, copy=True)
     return value if isinstance(value, jax.Array) else jnp.asarray(value)
 
 
@@ -499,13 +601,17 @@ def rebuild(
     leaves: list[Any],
     pairs: Mapping[Path, Path],
     source: Mapping[Path, Any],
+    copy: bool = False,
 ) -> Any:
-    """A new optimizer like ``opt`` whose leaves at ``pairs`` come from ``source``."""
+    """A new optimizer like ``opt`` whose leaves at ``pairs`` come from ``source``.
+
+    ``copy``: see :func:`convert`; needed where ``source`` holds arrays the caller keeps.
+    """
     new = list(leaves)
     abstract_left = []
     for path, slot in slots_.items():
         if path in pairs:
-            new[slot.index] = convert(slot, source[pairs[path]])
+            new[slot.index] = convert(slot, source[pairs[path]], copy=copy)
         elif slot.abstract:
             abstract_left.append(path_str(path))
     if abstract_left:
@@ -534,7 +640,7 @@ def check_state_dict(opt: Any, sd: Any) -> LoadReport:
           opt_state/0/nu/w
     """
     slots_, _, _ = slots(opt)
-    source = verify_checksum(flatten(_as_mapping(sd)))
+    source = verify_checksum(flatten(_as_mapping(sd), keep_none=True))
     return match(slots_, source)[1]
 
 
@@ -550,16 +656,17 @@ def _as_mapping(sd: Any) -> Mapping[str, Any]:
 def load_state_dict(opt: Any, sd: Any, strict: bool = True) -> Any:
     """A new optimizer like ``opt`` with its state from ``sd`` (see ``Optimizer.load_state_dict``)."""
     slots_, treedef, leaves = slots(opt)
-    source = verify_checksum(flatten(_as_mapping(sd)))
+    source = verify_checksum(flatten(_as_mapping(sd), keep_none=True))
     pairs, report = match(slots_, source)
     if not report.ok:
         if strict:
+            other = report.missing or report.unexpected
+            cause = "It was saved from another model or optimizer. " if other else ""
             raise StateDictError(
                 "The state dict does not match this optimizer (paths are "
                 "step | opt_state/<optax state fields>/<parameter name>):\n"
                 + report.problems()
-                + "\nIt was saved from another model or optimizer. Use "
-                "load_state_dict(sd, strict=False) to load the matching paths, or "
+                + f"\n{cause}Use load_state_dict(sd, strict=False) to load the matching paths, or "
                 "treeopt.serialization.warm_start to start from another optimizer's state.",
                 report,
             )
@@ -571,7 +678,7 @@ def load_state_dict(opt: Any, sd: Any, strict: bool = True) -> Any:
             ),
             stacklevel=3,
         )
-    return rebuild(opt, slots_, treedef, leaves, pairs, source)
+    return rebuild(opt, slots_, treedef, leaves, pairs, source, copy=True)
 
 
 # -- warm start ----------------------------------------------------------------------
@@ -610,7 +717,7 @@ def warm_start(
         if path in pairs:
             continue
         candidates = by_role.get(_role(path, names), [])
-        if len(candidates) == 1 and _fits(slot, src[candidates[0]]):
+        if len(candidates) == 1 and _misfit(slot, src[candidates[0]]) is None:
             pairs[path] = renamed[path] = candidates[0]
 
     def wanted(path: Path) -> bool:
@@ -621,11 +728,15 @@ def warm_start(
 
     pairs = {t: s for t, s in pairs.items() if wanted(t)}
     taken = set(pairs.values())
+    missing, unexpected, misnested = _misnested(
+        [p for p in slots_ if p not in pairs], [p for p in src if p not in taken]
+    )
     report = LoadReport(
         loaded=tuple(sorted(path_str(p) for p in pairs)),
-        missing=tuple(sorted(path_str(p) for p in slots_ if p not in pairs)),
-        unexpected=tuple(sorted(path_str(p) for p in src if p not in taken)),
+        missing=tuple(sorted(path_str(p) for p in missing)),
+        unexpected=tuple(sorted(path_str(p) for p in unexpected)),
         mismatched=tuple(m for m in exact.mismatched if m[0] not in {path_str(p) for p in pairs}),
         renamed={path_str(t): path_str(s) for t, s in sorted(renamed.items()) if t in pairs},
+        misnested=tuple(sorted(misnested)),
     )
-    return rebuild(opt, slots_, treedef, leaves, pairs, src), report
+    return rebuild(opt, slots_, treedef, leaves, pairs, src, copy=True), report

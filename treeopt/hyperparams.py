@@ -4,6 +4,13 @@ A hyperparameter is named by its own name (``"learning_rate"``) when it occurs
 once in the state; when it occurs several times (``multi_transform`` with an
 injected optimizer per label, a chain of two injected transformations) each
 occurrence is qualified by the labels/indices on its way (``"decay/learning_rate"``).
+
+Setting a hyperparameter checks the value and never loses part of it: a real
+number keeps the dtype and shape of the value it replaces (no recompilation),
+an integer hyperparameter given a float becomes a float, and ``None``,
+strings, bools, complex numbers, NaN, infinities and arrays of another shape
+are refused with an error naming the hyperparameter. The stored value is a new
+array, never the caller's, so donating the optimizer cannot delete it.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.tree_util import DictKey, SequenceKey
 
@@ -81,11 +89,158 @@ def _resolve(located: dict[str, tuple[Any, str]], key: str) -> list[tuple[Any, s
     )
 
 
+# -- checking a new value ------------------------------------------------------------
+
+
+def _aval(x: Any) -> tuple[np.dtype, tuple[int, ...], bool]:
+    """``(dtype, shape, weak_type)`` of a hyperparameter's current value."""
+    if isinstance(x, jax.Array):  # concrete arrays and tracers
+        aval = x.aval
+        return np.dtype(aval.dtype), tuple(aval.shape), bool(getattr(aval, "weak_type", False))
+    if isinstance(x, (int, float)) and not isinstance(x, np.generic):
+        return np.dtype(jnp.result_type(x)), (), True
+    return np.dtype(np.result_type(x)), tuple(np.shape(x)), False
+
+
+def _spec(dtype: np.dtype, shape: tuple[int, ...]) -> str:
+    return f"{dtype.name}{list(shape)}"
+
+
+def _given(value: Any) -> str:
+    if value is None:
+        return "None"
+    if isinstance(value, jax.core.Tracer):
+        return f"a traced {_spec(np.dtype(value.dtype), tuple(value.shape))} value"
+    if hasattr(value, "dtype") and hasattr(value, "shape") and not isinstance(value, np.generic):
+        try:
+            return f"a {_spec(np.dtype(value.dtype), tuple(value.shape))} array"
+        except TypeError:
+            return type(value).__name__
+    text = repr(value)
+    return f"{type(value).__name__} {text[:60] + '...' if len(text) > 60 else text}"
+
+
+def _default_float() -> np.dtype:
+    return np.dtype(jax.dtypes.canonicalize_dtype(np.float64))
+
+
+def _weak(x: jax.Array) -> jax.Array:
+    """``x`` weakly typed: the aval of a weakly typed value it replaces, so no jitted step retraces."""
+    try:
+        from jax._src.lax.lax import _convert_element_type
+    except ImportError:  # pragma: no cover - other JAX versions: strong, one retrace
+        return x
+    return _convert_element_type(x, np.dtype(x.dtype), weak_type=True)
+
+
+def checked_value(key: str, old: Any, value: Any) -> jax.Array:
+    """``value`` as the new value of the hyperparameter ``key`` whose value is ``old``.
+
+    A real scalar (or an array of exactly ``old``'s shape) is cast to ``old``'s
+    dtype and weak type, so a jitted step taking the new state does not
+    recompile. Nothing is truncated: a float value for an integer
+    hyperparameter makes it a float of the default float dtype (its dtype
+    changes once). Refused, with an error naming ``key``: ``None``, strings,
+    bools, complex numbers, arrays of another shape, NaN and infinities, and
+    values outside the range of the dtype. The result is always a new buffer,
+    never ``value`` itself, so donating the optimizer's state cannot delete an
+    array of the caller's. Values of traced arrays are not checked (they are
+    not known), their dtype and shape are.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> checked_value("learning_rate", jnp.array(1, jnp.int32), 0.5)
+        Array(0.5, dtype=float32)
+        >>> try:
+        ...     checked_value("learning_rate", jnp.float32(0.1), float("nan"))
+        ... except ValueError as e:
+        ...     print(e)
+        Cannot set hyperparameter 'learning_rate' (float32[]): expected a finite number, got float nan.
+    """
+    dtype, shape, weak = _aval(old)
+
+    def refuse(error: type[Exception], expected: str) -> Exception:
+        return error(
+            f"Cannot set hyperparameter '{key}' ({_spec(dtype, shape)}): expected {expected}, "
+            f"got {_given(value)}."
+        )
+
+    def in_range(target: np.dtype) -> str:
+        if jnp.issubdtype(target, jnp.integer):
+            info = jnp.iinfo(target)
+            return f"a value in the {target.name} range [{info.min}, {info.max}]"
+        big = float(jnp.finfo(target).max)
+        return f"a value in the {target.name} range [{-big:g}, {big:g}]"
+
+    a_number = "a real number" + (f" or a {_spec(dtype, shape)} array" if shape else "")
+    if value is None or isinstance(value, (str, bytes)):
+        raise refuse(TypeError, a_number)
+    traced = isinstance(value, jax.core.Tracer)
+    host: np.ndarray | None = None
+    if isinstance(value, jax.Array):
+        given_dtype, given_shape = np.dtype(value.dtype), tuple(value.shape)
+        if not traced and value.is_fully_addressable:
+            host = np.asarray(value)
+    else:
+        try:
+            host = np.asarray(value)
+        except (TypeError, ValueError, OverflowError):
+            raise refuse(TypeError, a_number) from None
+        if host.dtype == object and isinstance(value, int):  # beyond int64
+            if not jnp.issubdtype(dtype, jnp.floating):
+                raise refuse(ValueError, in_range(dtype))
+            try:
+                host = np.asarray(float(value))  # range-checked as a float below
+            except OverflowError:
+                raise refuse(ValueError, in_range(dtype)) from None
+        given_dtype, given_shape = host.dtype, host.shape
+    if jnp.issubdtype(given_dtype, jnp.complexfloating):
+        raise refuse(TypeError, "a real number (complex values are not hyperparameters)")
+    if not (jnp.issubdtype(given_dtype, jnp.integer) or jnp.issubdtype(given_dtype, jnp.floating)):
+        raise refuse(TypeError, a_number)
+    if given_shape not in {(), shape}:
+        raise refuse(ValueError, "a scalar" + (f" or a {_spec(dtype, shape)} array" if shape else ""))
+
+    promote = jnp.issubdtype(dtype, jnp.integer) and jnp.issubdtype(given_dtype, jnp.floating)
+    target = _default_float() if promote else dtype
+
+    if host is not None:
+        if jnp.issubdtype(host.dtype, jnp.floating) and not np.isfinite(host).all():
+            raise refuse(ValueError, "a finite number")
+        if jnp.issubdtype(target, jnp.integer):
+            info = jnp.iinfo(target)
+            if host.size and (host.min() < info.min or host.max() > info.max):
+                raise refuse(ValueError, in_range(target))
+        elif jnp.issubdtype(target, jnp.floating):
+            with np.errstate(over="ignore"):
+                overflows = not np.isfinite(host.astype(target)).all()
+            if overflows:
+                raise refuse(ValueError, in_range(target))
+
+    # Always a new buffer (copy=True): the caller keeps its array, even when the
+    # optimizer's state is donated.
+    if isinstance(value, jax.Array):
+        new = jnp.array(value, dtype=target, copy=True)
+    else:  # cast on the host, as checked above
+        assert host is not None
+        new = jnp.array(host.astype(target), copy=True)
+    if shape and new.shape != shape:
+        new = jnp.broadcast_to(new, shape)
+    if weak and target == dtype:
+        new = _weak(new)
+    return new
+
+
 def set_hyperparams(opt_state: Any, values: Mapping[str, Any]) -> Any:
     """A copy of ``opt_state`` with the given injected hyperparameters replaced.
 
-    Values keep the dtype and shape of the value they replace, so a jitted step
-    that receives the new state does not recompile.
+    Each value is checked and converted by :func:`checked_value`: a real
+    number keeps the dtype, shape and weak type of the value it replaces, so a
+    jitted step that receives the new state does not recompile; an integer
+    hyperparameter given a float becomes a float rather than truncating it;
+    ``None``, strings, bools, complex numbers, NaN, infinities and arrays of
+    another shape raise an error naming the hyperparameter. The new values are
+    the state's own arrays, never the caller's.
 
     Example:
         >>> import optax, jax.numpy as jnp
@@ -93,21 +248,24 @@ def set_hyperparams(opt_state: Any, values: Mapping[str, Any]) -> Any:
         >>> state = set_hyperparams(tx.init({"w": jnp.ones(2)}), {"learning_rate": 0.01})
         >>> round(float(get_hyperparams(state)["learning_rate"]), 6)
         0.01
+        >>> set_hyperparams(state, {"learning_rate": None})
+        Traceback (most recent call last):
+        ...
+        TypeError: Cannot set hyperparameter 'learning_rate' (float32[]): expected a real number, got None.
     """
     located = _locate(opt_state)
-    targets: dict[tuple[Any, ...], dict[str, Any]] = {}
+    targets: dict[tuple[Any, ...], dict[str, tuple[str, Any]]] = {}
     for key, value in values.items():
         for path, name in _resolve(located, key):
-            targets.setdefault(tuple(path), {})[name] = value
+            targets.setdefault(tuple(path), {})[name] = (key, value)
 
     def replace(path: Any, node: Any) -> Any:
         new = targets.get(tuple(path)) if _is_injected(node) else None
         if not new:
             return node
         hyperparams = dict(node.hyperparams)
-        for name, value in new.items():
-            old = hyperparams[name]
-            hyperparams[name] = jnp.broadcast_to(jnp.asarray(value, dtype=jnp.result_type(old)), jnp.shape(old))
+        for name, (key, value) in new.items():
+            hyperparams[name] = checked_value(key, hyperparams[name], value)
         return node._replace(hyperparams=hyperparams)
 
     return jax.tree_util.tree_map_with_path(replace, opt_state, is_leaf=_is_injected)
