@@ -283,3 +283,52 @@ def test_setting_every_hyperparameter_of_a_built_optimizer_compiles_once():
         opt.b2 = np.float64(0.99)
         params, opt = step(params, opt)
     assert traces == 1
+
+
+# -- hyperparameters that come from a schedule ---------------------------------------------
+
+
+def test_setting_a_scheduled_hyperparameter_is_refused_with_the_way_out():
+    schedule = optax.linear_schedule(1.0, 0.0, 10)
+    tx = optax.inject_hyperparams(optax.sgd)(learning_rate=schedule, momentum=0.5)
+    params = {"w": jnp.ones(2)}
+    opt = treeopt.Optimizer(tx).init(params)
+    assert opt.hyperparams.scheduled == frozenset({"learning_rate"})
+    assert "(from a schedule)" in repr(opt.hyperparams)
+    with pytest.raises(ValueError, match=r"'learning_rate': it comes from a schedule") as err:
+        opt.learning_rate = 5.0
+    assert "step_size" in str(err.value) and "learning_rate=1e-3" in str(err.value)
+    # Refused before anything changed; the plain hyperparameter beside it can still be set.
+    opt.momentum = 0.25
+    params = opt.update({"w": jnp.ones(2)}, params)
+    np.testing.assert_allclose(params["w"], 0.0)  # the schedule's first rate, 1.0
+    assert float(opt.hyperparams["momentum"]) == 0.25
+
+
+def test_a_schedule_scaled_by_an_injected_factor_is_the_documented_override():
+    schedule = optax.linear_schedule(1.0, 0.0, 10)
+    tx = optax.chain(optax.sgd(schedule), optax.inject_hyperparams(optax.scale)(step_size=1.0))
+    params = {"w": jnp.zeros(2)}
+    opt = treeopt.Optimizer(tx).init(params)
+    assert opt.hyperparams.scheduled == frozenset()
+    opt.step_size = 0.5
+    params = opt.update({"w": jnp.ones(2)}, params)
+    np.testing.assert_allclose(params["w"], -0.5)
+
+
+def test_scheduled_hyperparameters_are_named_by_qualified_name():
+    schedule = optax.constant_schedule(0.1)
+    tx = optax.multi_transform(
+        {
+            "a": optax.inject_hyperparams(optax.sgd)(learning_rate=schedule),
+            "b": optax.inject_hyperparams(optax.sgd)(learning_rate=0.2),
+        },
+        {"x": "a", "y": "b"},
+    )
+    state = tx.init({"x": jnp.ones(1), "y": jnp.ones(1)})
+    hp = treeopt.get_hyperparams(state)
+    assert hp.scheduled == frozenset({"a/learning_rate"})
+    with pytest.raises(ValueError, match="'a/learning_rate': it comes from a schedule"):
+        treeopt.set_hyperparams(state, {"a/learning_rate": 0.3})
+    new = treeopt.set_hyperparams(state, {"b/learning_rate": 0.3})
+    assert float(treeopt.get_hyperparams(new)["b/learning_rate"]) == pytest.approx(0.3)

@@ -52,8 +52,57 @@ def _locate(opt_state: Any) -> dict[str, tuple[Any, str]]:
     return located
 
 
-def get_hyperparams(opt_state: Any) -> dict[str, Any]:
+class Hyperparams(dict):
+    """The injected hyperparameters by name; ``scheduled`` names those a schedule computes.
+
+    A plain ``dict`` of values, whose ``repr`` marks the scheduled ones:
+    ``optax.inject_hyperparams`` recomputes them from the step count before
+    every update, so they can be read but not set.
+
+    Example:
+        >>> import optax, jax.numpy as jnp
+        >>> tx = optax.inject_hyperparams(optax.sgd)(learning_rate=optax.linear_schedule(1.0, 0.0, 10))
+        >>> hp = get_hyperparams(tx.init({"w": jnp.ones(2)}))
+        >>> hp.scheduled, float(hp["learning_rate"])
+        (frozenset({'learning_rate'}), 1.0)
+        >>> hp
+        {'learning_rate': Array(1., dtype=float32) (from a schedule)}
+    """
+
+    scheduled: frozenset[str]
+
+    def __init__(self, values: Mapping[str, Any], scheduled: frozenset[str] = frozenset()):
+        super().__init__(values)
+        self.scheduled = frozenset(scheduled)
+
+    def __repr__(self) -> str:
+        if not self.scheduled:
+            return super().__repr__()
+        items = (
+            f"{k!r}: {v!r}" + (" (from a schedule)" if k in self.scheduled else "") for k, v in self.items()
+        )
+        return "{" + ", ".join(items) + "}"
+
+
+def _is_scheduled(node: Any, name: str) -> bool:
+    # inject_hyperparams keeps a state for each hyperparameter it computes from a
+    # schedule (optax >= 0.2.4); a plain number has none.
+    return name in (getattr(node, "hyperparams_states", None) or {})
+
+
+def _nodes(opt_state: Any) -> dict[tuple[Any, ...], Any]:
+    return {
+        tuple(path): node
+        for path, node in jax.tree_util.tree_flatten_with_path(opt_state, is_leaf=_is_injected)[0]
+        if _is_injected(node)
+    }
+
+
+def get_hyperparams(opt_state: Any) -> Hyperparams:
     """All injected hyperparameters of ``opt_state`` by (qualified) name.
+
+    The result is a dict; its ``scheduled`` attribute names the hyperparameters
+    that come from a schedule (read-only: see :func:`set_hyperparams`).
 
     Example:
         >>> import optax, jax.numpy as jnp
@@ -61,12 +110,11 @@ def get_hyperparams(opt_state: Any) -> dict[str, Any]:
         >>> get_hyperparams(tx.init({"w": jnp.ones(2)}))
         {'learning_rate': Array(0.1, dtype=float32)}
     """
-    nodes = {
-        tuple(path): node
-        for path, node in jax.tree_util.tree_flatten_with_path(opt_state, is_leaf=_is_injected)[0]
-        if _is_injected(node)
-    }
-    return {q: nodes[tuple(path)].hyperparams[name] for q, (path, name) in _locate(opt_state).items()}
+    nodes = _nodes(opt_state)
+    located = _locate(opt_state)
+    values = {q: nodes[tuple(path)].hyperparams[name] for q, (path, name) in located.items()}
+    scheduled = frozenset(q for q, (path, name) in located.items() if _is_scheduled(nodes[tuple(path)], name))
+    return Hyperparams(values, scheduled)
 
 
 def _resolve(located: dict[str, tuple[Any, str]], key: str) -> list[tuple[Any, str]]:
@@ -231,6 +279,18 @@ def checked_value(key: str, old: Any, value: Any) -> jax.Array:
     return new
 
 
+def _scheduled_error(key: str, name: str) -> ValueError:
+    return ValueError(
+        f"Cannot set hyperparameter '{key}': it comes from a schedule, which "
+        "optax.inject_hyperparams evaluates at the step count before every update, so a value "
+        "set here would be overwritten and never used. To control it by hand, build the "
+        f"transformation with a number instead ({name}=1e-3) and set that; or keep the "
+        "schedule and scale it with another injected factor, e.g. "
+        "optax.chain(tx, optax.inject_hyperparams(optax.scale)(step_size=1.0)), then set "
+        "'step_size'."
+    )
+
+
 def set_hyperparams(opt_state: Any, values: Mapping[str, Any]) -> Any:
     """A copy of ``opt_state`` with the given injected hyperparameters replaced.
 
@@ -240,7 +300,9 @@ def set_hyperparams(opt_state: Any, values: Mapping[str, Any]) -> Any:
     hyperparameter given a float becomes a float rather than truncating it;
     ``None``, strings, bools, complex numbers, NaN, infinities and arrays of
     another shape raise an error naming the hyperparameter. The new values are
-    the state's own arrays, never the caller's.
+    the state's own arrays, never the caller's. A hyperparameter that comes
+    from a schedule is refused: ``inject_hyperparams`` would overwrite it
+    before the next update.
 
     Example:
         >>> import optax, jax.numpy as jnp
@@ -254,9 +316,12 @@ def set_hyperparams(opt_state: Any, values: Mapping[str, Any]) -> Any:
         TypeError: Cannot set hyperparameter 'learning_rate' (float32[]): expected a real number, got None.
     """
     located = _locate(opt_state)
+    nodes = _nodes(opt_state)
     targets: dict[tuple[Any, ...], dict[str, tuple[str, Any]]] = {}
     for key, value in values.items():
         for path, name in _resolve(located, key):
+            if _is_scheduled(nodes[tuple(path)], name):
+                raise _scheduled_error(key, name)
             targets.setdefault(tuple(path), {})[name] = (key, value)
 
     def replace(path: Any, node: Any) -> Any:
