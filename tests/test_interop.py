@@ -300,6 +300,51 @@ def test_flax_nnx_whole_state_with_wrt_leaves_batch_stats_untouched():
     assert_trees_close(new_params, expected)
 
 
+def test_flax_nnx_module_passed_whole_through_jax_jit():
+    """An nnx Module is a pytree: passed whole, only its nnx.Param are trained (not the int
+    Variable, not the BatchNorm statistics), and update writes into it and returns it."""
+    model = NnxMLP(nnx.Rngs(1), batch_norm=True)
+    _, params, rest = nnx.split(model, nnx.Param, ...)
+    mean_before = np.asarray(model.norm.mean[...])
+
+    def loss_fn(model):
+        model.eval()  # statistics fixed: the loss is a function of the Params only
+        return mse(model(X))
+
+    opt = treeopt.Optimizer(optax.adam(LR)).init(model)
+    assert opt.paths == (
+        "layers/0/bias",
+        "layers/0/kernel",
+        "layers/1/bias",
+        "layers/1/kernel",
+        "norm/bias",
+        "norm/scale",
+    )
+
+    @jax.jit
+    def step(model, opt):
+        loss, grads = nnx.value_and_grad(loss_fn)(model)
+        assert opt.update(grads, model) is model  # in place, on this trace's copy
+        return model, opt, loss
+
+    losses = []
+    for _ in range(STEPS):
+        model, opt, loss = step(model, opt)
+        losses.append(float(loss))
+    losses.append(float(loss_fn(model)))
+
+    assert_loss_went_down(losses)
+    assert isinstance(model, NnxMLP) and model.tag == "mlp" and int(model.calls[...]) == 5
+    np.testing.assert_array_equal(np.asarray(model.norm.mean[...]), mean_before)
+
+    graphdef = nnx.graphdef(model)
+
+    def raw_loss(params):
+        return loss_fn(nnx.merge(graphdef, params, rest))
+
+    assert_trees_close(nnx.state(model, nnx.Param), train_optax(raw_loss, params))
+
+
 # -- equinox ----------------------------------------------------------------------
 
 

@@ -127,3 +127,38 @@ def test_flat_step_is_the_pure_step_update_runs_on():
     # Traced inline under jit, the same numbers.
     traced = jax.jit(lambda s, st: flat_step(tx, s, st, grads, params))(jnp.int32(4), state)
     jax.tree.map(np.testing.assert_array_equal, traced.output, out.output)
+
+
+def _counting(tx):
+    """``tx`` with a counter of how often its update is traced (Python runs only while tracing)."""
+    counter = {"traces": 0}
+
+    def update(updates, state, params=None, **extra):
+        counter["traces"] += 1
+        return tx.update(updates, state, params, **extra)
+
+    return optax.GradientTransformationExtraArgs(tx.init, update), counter
+
+
+def test_weakly_typed_params_compile_the_eager_step_once():
+    tx, counter = _counting(optax.adam(1e-2))
+    params = {"w": jnp.full((3,), 0.01), "b": jnp.full((2,), 0.5)}
+    assert all(x.weak_type for x in jax.tree.leaves(params))
+    opt = treeopt.Optimizer(tx).init(params)
+    assert counter["traces"] == 0
+    for _ in range(5):
+        grads = {"w": jnp.full((3,), 0.1), "b": jnp.full((2,), 0.2)}  # weak every step
+        params = opt.update(grads, params)
+    assert counter["traces"] == 1
+    assert int(opt.step) == 5
+    assert not any(getattr(x, "weak_type", False) for x in jax.tree.leaves(opt))
+    assert not any(x.weak_type for x in jax.tree.leaves(params))
+
+    # The same program for strongly typed inputs of that layout, and for updates only.
+    strong = {"w": jnp.ones(3, jnp.float32), "b": jnp.ones(2, jnp.float32)}
+    opt.update(strong, strong)
+    assert counter["traces"] == 1
+    weak = {"w": jnp.full((3,), 0.01), "b": jnp.full((2,), 0.5)}
+    for _ in range(3):
+        opt.update(weak, weak, apply_updates=False)
+    assert counter["traces"] == 2  # one more program: it returns updates, not params

@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 from collections import Counter, defaultdict
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 from jax.tree_util import KeyPath
@@ -30,10 +30,60 @@ def path_to_name(path: KeyPath) -> str:
     return jax.tree_util.keystr(tuple(path), simple=True, separator=SEPARATOR)
 
 
-def _nnx_variable_type() -> type | None:
+def _nnx() -> Any:
     # Only look for nnx when the user imported it: treeopt never imports it itself.
-    nnx = sys.modules.get("flax.nnx")
+    return sys.modules.get("flax.nnx")
+
+
+def _nnx_variable_type() -> type | None:
+    nnx = _nnx()
     return getattr(nnx, "Variable", None) if nnx is not None else None
+
+
+def _nnx_class(*names: str) -> type | None:
+    nnx = _nnx()
+    for name in names:
+        cls = getattr(nnx, name, None) if nnx is not None else None
+        if isinstance(cls, type):
+            return cls
+    return None
+
+
+def is_nnx_variable(x: Any) -> bool:
+    """True for a ``flax.nnx.Variable`` (``nnx.Param``, ``nnx.BatchStat``, ...).
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> is_nnx_variable(jnp.ones(2))
+        False
+    """
+    cls = _nnx_variable_type()
+    return cls is not None and isinstance(x, cls)
+
+
+def is_nnx_param(x: Any) -> bool:
+    """True for a ``flax.nnx.Param`` (or a subclass, such as ``nnx.LoRAParam``)."""
+    cls = _nnx_class("Param")
+    return cls is not None and isinstance(x, cls)
+
+
+def is_nnx_graph(x: Any) -> bool:
+    """True for an nnx graph object: an ``nnx.Module`` (an ``nnx.Pytree`` / ``nnx.Object``).
+
+    Example:
+        >>> is_nnx_graph({"w": 1.0})
+        False
+    """
+    cls = _nnx_class("Pytree", "Object")
+    return cls is not None and isinstance(x, cls)
+
+
+def is_nnx_object(x: Any) -> bool:
+    """True for an nnx Module, ``nnx.State`` or ``nnx.Variable``: what nnx puts where treeopt wants grads."""
+    if is_nnx_graph(x) or is_nnx_variable(x):
+        return True
+    cls = _nnx_class("State")
+    return cls is not None and isinstance(x, cls)
 
 
 def _drop_lone_indices(paths: list[KeyPath]) -> list[KeyPath]:
@@ -54,6 +104,36 @@ def _drop_lone_indices(paths: list[KeyPath]) -> list[KeyPath]:
     ]
 
 
+def _walk(tree: Any) -> tuple[list[KeyPath], list[Any], list[int]]:
+    """Per leaf: its key path (an nnx ``Variable``'s inner ``value`` key dropped), the
+    ``Variable`` holding it (or None), and the position of that ``Variable`` (or of
+    the leaf itself) among ``jax.tree.leaves(tree, is_leaf=is_nnx_variable)``.
+    """
+    variable_type = _nnx_variable_type()
+    if variable_type is None:
+        flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+        return _drop_lone_indices([tuple(path) for path, _ in flat]), [None] * len(flat), list(range(len(flat)))
+
+    paths: list[KeyPath] = []
+    owners: list[Any] = []
+    nodes: list[int] = []
+    outer = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: isinstance(x, variable_type))[0]
+    for position, (path, node) in enumerate(outer):
+        if not isinstance(node, variable_type):
+            paths.append(tuple(path))
+            owners.append(None)
+            nodes.append(position)
+            continue
+        for inner_path, _ in jax.tree_util.tree_flatten_with_path(node)[0]:
+            inner = tuple(inner_path)
+            if inner and isinstance(inner[0], jax.tree_util.GetAttrKey) and inner[0].name == "value":
+                inner = inner[1:]
+            paths.append(tuple(path) + inner)
+            owners.append(node)
+            nodes.append(position)
+    return _drop_lone_indices(paths), owners, nodes
+
+
 def leaf_names(tree: Any) -> list[str]:
     """The name of every leaf of ``tree``, in ``jax.tree.leaves`` order.
 
@@ -62,25 +142,43 @@ def leaf_names(tree: Any) -> list[str]:
         >>> leaf_names({"dense": {"kernel": jnp.ones(2), "bias": jnp.zeros(2)}})
         ['dense/bias', 'dense/kernel']
     """
-    variable_type = _nnx_variable_type()
-    if variable_type is None:
-        paths = [tuple(path) for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
-        return [path_to_name(path) for path in _drop_lone_indices(paths)]
+    return [path_to_name(path) for path in _walk(tree)[0]]
 
-    paths = []
-    outer = jax.tree_util.tree_flatten_with_path(
-        tree, is_leaf=lambda x: isinstance(x, variable_type)
-    )[0]
-    for path, node in outer:
-        if not isinstance(node, variable_type):
-            paths.append(tuple(path))
-            continue
-        for inner_path, _ in jax.tree_util.tree_flatten_with_path(node)[0]:
-            inner = tuple(inner_path)
-            if inner and isinstance(inner[0], jax.tree_util.GetAttrKey) and inner[0].name == "value":
-                inner = inner[1:]
-            paths.append(tuple(path) + inner)
-    return [path_to_name(path) for path in _drop_lone_indices(paths)]
+
+def _key_part(key: Any) -> Any:
+    """A key path entry as nnx writes it in a path: the bare dict key, attribute name or index."""
+    for attr in ("key", "name", "idx"):
+        if hasattr(key, attr):
+            return getattr(key, attr)
+    return key
+
+
+class LeafInfo(NamedTuple):
+    """One leaf of a tree as ``wrt=`` sees it: name, nnx-style path, and the nnx ``Variable`` holding it."""
+
+    name: str
+    """The leaf's name, e.g. ``"layers/0/kernel"``."""
+    path: tuple[Any, ...]
+    """Its path as nnx filters receive it: bare keys and indices, e.g. ``("layers", 0, "kernel")``."""
+    variable: Any
+    """The nnx ``Variable`` holding the leaf, or None."""
+    node: int
+    """Position of that ``Variable`` (or of the leaf) in ``jax.tree.leaves(tree, is_leaf=is_nnx_variable)``."""
+
+
+def leaf_infos(tree: Any) -> list[LeafInfo]:
+    """A :class:`LeafInfo` for every leaf of ``tree``, in ``jax.tree.leaves`` order.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> leaf_infos({"layers": [jnp.ones(2)]})
+        [LeafInfo(name='layers/0', path=('layers', 0), variable=None, node=0)]
+    """
+    paths, owners, nodes = _walk(tree)
+    return [
+        LeafInfo(path_to_name(path), tuple(_key_part(k) for k in path), owner, node)
+        for path, owner, node in zip(paths, owners, nodes, strict=True)
+    ]
 
 
 def check_unique(names: Sequence[str]) -> None:

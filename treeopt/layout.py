@@ -16,7 +16,9 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import sys
+from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -24,12 +26,30 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from treeopt._paths import check_unique, leaf_names, path_to_name
+from treeopt._paths import (
+    LeafInfo,
+    check_unique,
+    is_nnx_graph,
+    is_nnx_param,
+    is_nnx_variable,
+    leaf_infos,
+    leaf_names,
+    path_to_name,
+)
 from treeopt.masks import name_matcher
 
-__all__ = ["ParamLayout", "Wrt", "is_float_array", "is_lookahead", "leaf_names", "path_to_name"]
+__all__ = [
+    "ParamLayout",
+    "Wrt",
+    "is_float_array",
+    "is_lookahead",
+    "is_nnx_filter",
+    "leaf_names",
+    "path_to_name",
+]
 
-Wrt = Callable[[str, Any], bool] | str | Sequence[str] | None
+Wrt = Any
+"""What ``wrt=`` accepts: None, a glob or sequence of globs, a ``(name, leaf)`` predicate, or an nnx filter."""
 
 
 def is_float_array(leaf: Any) -> bool:
@@ -43,13 +63,87 @@ def is_float_array(leaf: Any) -> bool:
     )
 
 
-def _selector(wrt: Wrt) -> Callable[[str, Any], bool]:
+Select = Callable[[LeafInfo, Any], bool]
+
+
+def _nnx_filter_types() -> tuple[type, ...]:
+    filterlib = sys.modules.get("flax.nnx.filterlib")
+    if filterlib is None:
+        return ()
+    names = ("OfType", "PathContains", "PathIn", "WithTag", "Any", "All", "Not", "Everything", "Nothing")
+    return tuple(t for t in (getattr(filterlib, n, None) for n in names) if isinstance(t, type))
+
+
+def is_nnx_filter(wrt: Any) -> bool:
+    """True where ``wrt`` is read as an nnx filter rather than a glob or a ``(name, leaf)`` predicate.
+
+    A class (``nnx.Param``, ``nnx.BatchStat``, any ``Variable`` type), ``...``,
+    ``True``/``False`` and the filter objects of ``flax.nnx.filterlib``
+    (``nnx.PathContains``, ``nnx.Any``, ``nnx.All``, ``nnx.Not``, ``nnx.WithTag``,
+    ...) are nnx filters; a string is a glob over names and any other callable
+    a ``(name, leaf)`` predicate. Wrap an nnx-style ``(path, variable)``
+    function in ``nnx.Any(fn)`` to have it read as an nnx filter.
+
+    Example:
+        >>> from flax import nnx
+        >>> is_nnx_filter(nnx.Param), is_nnx_filter(nnx.Not(nnx.Param))
+        (True, True)
+        >>> is_nnx_filter("encoder/*"), is_nnx_filter(lambda name, leaf: True)
+        (False, False)
+    """
+    if isinstance(wrt, (type, bool)) or wrt is Ellipsis:
+        return True
+    types = _nnx_filter_types()
+    return bool(types) and isinstance(wrt, types)
+
+
+def _nnx_predicate(wrt: Any) -> Select:
+    """``wrt`` (an nnx filter) called as nnx calls it: with the path and the ``Variable``."""
+    if isinstance(wrt, bool) or wrt is Ellipsis:
+        keep = wrt is not False
+        return lambda info, leaf: keep
+    if isinstance(wrt, type):
+        cls = wrt
+        return lambda info, leaf: isinstance(info.variable if info.variable is not None else leaf, cls)
+    return lambda info, leaf: bool(wrt(info.path, info.variable if info.variable is not None else leaf))
+
+
+def _default_select(info: LeafInfo, leaf: Any) -> bool:
+    # As nnx.Optimizer(wrt=nnx.Param): a float held by another kind of Variable
+    # (BatchStat, RNG state, caches, plain Variable) is state, not a parameter.
+    return is_float_array(leaf) and (info.variable is None or is_nnx_param(info.variable))
+
+
+def _selector(wrt: Wrt) -> Select:
     if wrt is None:
-        return lambda name, leaf: is_float_array(leaf)
+        return _default_select
+    if isinstance(wrt, str):
+        match = name_matcher(wrt)
+        return lambda info, leaf: match(info.name) and is_float_array(leaf)
+    if isinstance(wrt, (tuple, list)):
+        if all(isinstance(w, str) for w in wrt):
+            match = name_matcher(list(wrt))
+            return lambda info, leaf: match(info.name) and is_float_array(leaf)
+        parts = [_selector(w) for w in wrt]
+        return lambda info, leaf: any(select(info, leaf) for select in parts)
+    if is_nnx_filter(wrt):
+        predicate = _nnx_predicate(wrt)
+        return lambda info, leaf: is_float_array(leaf) and predicate(info, leaf)
     if callable(wrt):
-        return wrt
-    match = name_matcher(wrt)
-    return lambda name, leaf: match(name) and is_float_array(leaf)
+        return lambda info, leaf: bool(wrt(info.name, leaf))
+    raise TypeError(
+        "wrt must be None, a glob over parameter names (or a list of globs), a predicate "
+        "(name, leaf) -> bool, or an nnx filter (nnx.Param, (nnx.Param, nnx.BatchStat), "
+        f"nnx.PathContains(...), ...); got {type(wrt).__name__}: {wrt!r}."
+    )
+
+
+def _variable_slots(infos: list[LeafInfo], index: tuple[int, ...]) -> tuple[int, ...] | None:
+    """Where the Variable of each trained leaf sits, or None when one is not the whole value of a Variable."""
+    per_node = Counter(info.node for info in infos)
+    if all(infos[i].variable is not None and per_node[infos[i].node] == 1 for i in index):
+        return tuple(infos[i].node for i in index)
+    return None
 
 
 def _describe(leaf: Any) -> str:
@@ -71,7 +165,19 @@ class ParamLayout:
         ('w',)
     """
 
-    __slots__ = ("_expected", "_hash", "_positions", "all_names", "avals", "index", "names", "treedef")
+    __slots__ = (
+        "_by_treedef",
+        "_expected",
+        "_hash",
+        "_positions",
+        "_slots",
+        "_views",
+        "all_names",
+        "avals",
+        "index",
+        "names",
+        "treedef",
+    )
 
     def __init__(
         self,
@@ -80,6 +186,7 @@ class ParamLayout:
         names: tuple[str, ...],
         avals: tuple[tuple[tuple[int, ...], np.dtype], ...],
         all_names: tuple[str, ...],
+        variable_slots: tuple[int, ...] | None = None,
     ):
         self.treedef = treedef
         self.index = index
@@ -91,15 +198,33 @@ class ParamLayout:
         # and the expected (shape, dtype) of each trainable leaf as one list.
         self._positions = dict(zip(names, index, strict=True))
         self._expected = [(tuple(shape), np.dtype(dtype)) for shape, dtype in avals]
+        # Where each trainable leaf's nnx Variable sits, for writing into a Module in place.
+        self._slots = variable_slots
+        # Grads of another structure (nnx.grad's State for a Module) matched by name, per treedef.
+        self._by_treedef: dict[Any, dict[str, int]] = {}
+        # A Module whose static attributes changed (model.eval()), per treedef: positions and slots.
+        self._views: dict[Any, tuple[tuple[int, ...], tuple[int, ...] | None]] = {}
 
     @classmethod
     def of(cls, params: Any, wrt: Wrt = None) -> ParamLayout:
-        """The layout of ``params``; ``wrt`` selects trainable leaves (default: float arrays)."""
+        """The layout of ``params``; ``wrt`` selects the trainable leaves.
+
+        ``wrt=None`` selects the floating-point array leaves, except those held by
+        an nnx ``Variable`` other than ``nnx.Param`` (so an nnx Module or State
+        trains its ``nnx.Param`` only, as ``nnx.Optimizer(wrt=nnx.Param)``). See
+        :class:`treeopt.Optimizer` for the other forms of ``wrt``.
+
+        Example:
+            >>> import jax.numpy as jnp
+            >>> ParamLayout.of({"a": jnp.ones(2), "b": jnp.ones(2)}, wrt="a").names
+            ('a',)
+        """
         leaves, treedef = jax.tree.flatten(params)
-        names = leaf_names(params)
+        infos = leaf_infos(params)
+        names = [info.name for info in infos]
         check_unique(names)
         select = _selector(wrt)
-        index = tuple(i for i, (n, leaf) in enumerate(zip(names, leaves, strict=True)) if select(n, leaf))
+        index = tuple(i for i, (info, leaf) in enumerate(zip(infos, leaves, strict=True)) if select(info, leaf))
         for i in index:
             if not hasattr(leaves[i], "shape"):
                 raise TypeError(
@@ -107,7 +232,8 @@ class ParamLayout:
                     f"{type(leaves[i]).__name__}, not an array."
                 )
         avals = tuple((tuple(leaves[i].shape), np.dtype(leaves[i].dtype)) for i in index)
-        return cls(treedef, index, tuple(names[i] for i in index), avals, tuple(names))
+        slots = _variable_slots(infos, index)
+        return cls(treedef, index, tuple(names[i] for i in index), avals, tuple(names), slots)
 
     def __eq__(self, other: object) -> bool:
         if self is other:
@@ -123,6 +249,16 @@ class ParamLayout:
 
     def __hash__(self) -> int:
         return self._hash
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # The per-structure caches are rebuilt on demand, not copied.
+        return ParamLayout, (self.treedef, self.index, self.names, self.avals, self.all_names, self._slots)
+
+    def __copy__(self) -> ParamLayout:
+        return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> ParamLayout:
+        return self  # immutable: equal by value, caches shareable
 
     def __repr__(self) -> str:
         return f"ParamLayout({len(self.names)} trainable of {len(self.all_names)} leaves)"
@@ -145,6 +281,84 @@ class ParamLayout:
             leaves[i] = flat[name]
         return self.treedef.unflatten(leaves)
 
+    def split_module(self, module: Any) -> tuple[dict[str, Any], Callable[[dict[str, Any]], Any]]:
+        """``({name: trainable leaf}, write)`` of an nnx Module; ``write(flat)`` updates it in place.
+
+        ``write`` puts new values into the module's ``Variable``s, as
+        ``nnx.Optimizer.update`` does, and returns the module itself. The
+        module's static attributes may differ from those seen at init
+        (``model.eval()`` / ``model.train()`` flip them): its leaves are then
+        matched by name.
+
+        Example:
+            >>> import jax.numpy as jnp
+            >>> from flax import nnx
+            >>> class Scale(nnx.Module):
+            ...     def __init__(self):
+            ...         self.w = nnx.Param(jnp.ones(2))
+            >>> model = Scale()
+            >>> flat, write = ParamLayout.of(model).split_module(model)
+            >>> write({"w": flat["w"] * 0}) is model
+            True
+            >>> model.w[...]
+            Array([0., 0.], dtype=float32)
+        """
+        leaves, treedef_ = jax.tree.flatten(module)
+        treedef: Any = treedef_
+        if treedef == self.treedef:
+            index, slots = self.index, self._slots
+        else:
+            index, slots = self._module_view(module, treedef)
+        trainable = [leaves[i] for i in index]
+        self._check_avals(trainable, "params")
+
+        def write(flat: dict[str, Any]) -> Any:
+            if slots is not None:
+                nodes = jax.tree.leaves(module, is_leaf=is_nnx_variable)
+                for name, slot in zip(self.names, slots, strict=True):
+                    _set_variable(nodes[slot], flat[name])
+                return module
+            import flax.nnx as nnx  # a trained array that is not the whole value of a Variable
+
+            new = list(leaves)
+            for name, i in zip(self.names, index, strict=True):
+                new[i] = flat[name]
+            nnx.update(module, nnx.state(treedef.unflatten(new)))
+            return module
+
+        return dict(zip(self.names, trainable, strict=True)), write
+
+    def trained_positions(self, params: Any, treedef: Any) -> tuple[int, ...]:
+        """Where the trained leaves sit among ``jax.tree.leaves(params)`` (``treedef`` is its structure).
+
+        Example:
+            >>> import jax, jax.numpy as jnp
+            >>> params = {"a": jnp.int32(0), "b": jnp.ones(2)}
+            >>> ParamLayout.of(params).trained_positions(params, jax.tree.structure(params))
+            (1,)
+        """
+        if treedef == self.treedef:
+            return self.index
+        if is_nnx_graph(params):
+            return self._module_view(params, treedef)[0]
+        self._raise_structure_error(params, "params")
+        raise AssertionError  # unreachable: the line above raises
+
+    def _module_view(self, module: Any, treedef: Any) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
+        """Positions and Variable slots of the trained leaves of a Module whose static data changed."""
+        cached = self._views.get(treedef)
+        if cached is not None:
+            return cached
+        infos = leaf_infos(module)
+        by_name = {info.name: i for i, info in enumerate(infos)}
+        if set(by_name) != set(self.all_names):
+            self._raise_structure_error(module, "params")
+        index = tuple(by_name[name] for name in self.names)
+        view = (index, _variable_slots(infos, index))
+        if len(self._views) < 8:
+            self._views[treedef] = view
+        return view
+
     # -- grads ---------------------------------------------------------------
 
     def split_grads(self, grads: Any) -> tuple[dict[str, Any], Callable[[dict[str, Any]], Any]]:
@@ -159,20 +373,7 @@ class ParamLayout:
         if treedef == self.treedef:
             positions = self._positions
         else:
-            names = leaf_names(grads)
-            known = set(self.all_names)
-            unexpected = sorted(n for n in names if n not in known)
-            by_name = {n: i for i, n in enumerate(names)}
-            missing = [n for n in self.names if n not in by_name]
-            if missing or unexpected:
-                raise ValueError(
-                    "grads do not match the params this optimizer was initialized with:"
-                    + (f"\n  missing gradients for {missing}" if missing else "")
-                    + (f"\n  unexpected gradients {unexpected}" if unexpected else "")
-                    + "\nPass gradients of the same params tree given to init "
-                    "(e.g. jax.grad(loss)(params))."
-                )
-            positions = {n: by_name[n] for n in self.names}
+            positions = self._by_treedef.get(treedef) or self._positions_by_name(grads, treedef)
         flat = {name: leaves[positions[name]] for name in self.names}
         self._check_avals(list(flat.values()), "grads")
 
@@ -183,6 +384,25 @@ class ParamLayout:
             return treedef_.unflatten(out)
 
         return flat, rebuild
+
+    def _positions_by_name(self, grads: Any, treedef: Any) -> dict[str, int]:
+        names = leaf_names(grads)
+        known = set(self.all_names)
+        unexpected = sorted(n for n in names if n not in known)
+        by_name = {n: i for i, n in enumerate(names)}
+        missing = [n for n in self.names if n not in by_name]
+        if missing or unexpected:
+            raise ValueError(
+                "grads do not match the params this optimizer was initialized with:"
+                + (f"\n  missing gradients for {missing}" if missing else "")
+                + (f"\n  unexpected gradients {unexpected}" if unexpected else "")
+                + "\nPass gradients of the same params tree given to init "
+                "(e.g. jax.grad(loss)(params))."
+            )
+        positions = {n: by_name[n] for n in self.names}
+        if len(self._by_treedef) < 8:  # names depend on the structure only: match each one once
+            self._by_treedef[treedef] = positions
+        return positions
 
     # -- checks --------------------------------------------------------------
 
@@ -222,6 +442,13 @@ class ParamLayout:
             f"{what} do not match the params this optimizer was initialized with:{details}\n"
             "Call opt.init(params) again for a new model."
         )
+
+
+def _set_variable(variable: Any, value: Any) -> None:
+    if hasattr(variable, "set_value"):
+        variable.set_value(value)
+    else:  # pragma: no cover - flax before 0.12
+        variable.value = value
 
 
 def is_lookahead(params: Any) -> bool:

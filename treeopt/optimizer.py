@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -14,6 +14,7 @@ from jax.tree_util import GetAttrKey
 
 from treeopt import _specs, _state_dict
 from treeopt import hyperparams as _hyperparams
+from treeopt._paths import is_nnx_graph, is_nnx_object
 from treeopt.layout import ParamLayout, Wrt, is_lookahead
 
 _FIELDS = ("tx", "wrt", "_layout", "_lookahead", "step", "opt_state")
@@ -162,6 +163,43 @@ def _stable_dtypes(tx: optax.GradientTransformation, opt_state: Any, flat: Any, 
     return state
 
 
+def _strong_tree(tree: Any) -> Any:
+    """``tree`` with weakly typed arrays made strong: one compiled eager step for either kind."""
+    leaves = tree.values() if type(tree) is dict else jax.tree.leaves(tree)
+    if not any(getattr(x, "weak_type", False) for x in leaves):
+        return tree
+    return jax.tree.map(_strong, tree)
+
+
+_ARRAYS = (jax.Array, np.ndarray, np.generic)
+_DYNAMIC = (*_ARRAYS, int, float, complex)
+
+
+def _split_extra(extra: Mapping[str, Any]) -> tuple[list[Any], Any]:
+    """``(array leaves, static rest)`` of the extra arguments, for the compiled eager step.
+
+    Arrays and numbers are traced inputs; everything else (functions such as
+    ``value_fn``, strings, the static data of pytree nodes) is part of the
+    compile key, so it never reaches jit as an argument it cannot trace.
+    """
+    leaves, treedef = jax.tree.flatten(extra)
+    dynamic, fixed = [], []
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, _DYNAMIC):
+            dynamic.append(_strong(leaf))  # Python numbers stay as they are: weak on every call
+        else:
+            fixed.append((i, leaf))
+    return dynamic, (treedef, tuple(fixed))
+
+
+def _join_extra(dynamic: Sequence[Any], static: Any) -> Any:
+    """The extra arguments again, from the two parts :func:`_split_extra` made."""
+    treedef, fixed = static
+    fixed_at = dict(fixed)
+    values = iter(dynamic)
+    return treedef.unflatten([fixed_at[i] if i in fixed_at else next(values) for i in range(treedef.num_leaves)])
+
+
 class FlatStep(NamedTuple):
     """The result of :func:`flat_step`: the new step count, the new optax state, and its output."""
 
@@ -188,8 +226,22 @@ def _flat_step_traced(
     return FlatStep(jnp.asarray(step) + 1, new_state, out)
 
 
-# The eager path: one compiled program per (tx, avals) instead of many small ops.
-_flat_step_compiled = jax.jit(_flat_step_traced, static_argnums=(0, 6))
+def _flat_step_joined(
+    tx: optax.GradientTransformation,
+    step: Any,
+    opt_state: Any,
+    flat_grads: Any,
+    flat_params: Any,
+    dynamic_extra: Sequence[Any],
+    static_extra: Any,
+    apply_updates: bool,
+) -> FlatStep:
+    extra = _join_extra(dynamic_extra, static_extra)
+    return _flat_step_traced(tx, step, opt_state, flat_grads, flat_params, extra, apply_updates)
+
+
+# The eager path: one compiled program per (tx, avals, static extras) instead of many small ops.
+_flat_step_compiled = jax.jit(_flat_step_joined, static_argnums=(0, 6, 7))
 
 
 def flat_step(
@@ -207,8 +259,13 @@ def flat_step(
     ``tx.update`` on ``{name: grad}`` and ``{name: param}``, then (with
     ``apply_updates``) the updates applied. Under a JAX transformation it is
     traced inline; called on concrete values it runs as one compiled program,
-    cached per ``tx`` and shapes. :meth:`Optimizer.update` is built on it, and
-    so are layers that keep the state in another shape (``treeopt.t5x``).
+    cached per ``tx``, shapes and dtypes. Weakly typed grads and params (from
+    ``jnp.full(shape, 0.01)``) are made strongly typed first, so they share the
+    program of strongly typed ones. Arrays and numbers among ``extra_args`` are
+    inputs of that program; anything else (a ``value_fn``) is part of its cache
+    key, so pass the same function object every step.
+    :meth:`Optimizer.update` is built on it, and so are layers that keep the
+    state in another shape (``treeopt.t5x``).
 
     Args:
         tx: the optax transformation (static: part of the compile key).
@@ -218,7 +275,8 @@ def flat_step(
         flat_params: ``{name: param}``, or ``None`` when ``tx`` does not read
             params and ``apply_updates`` is False.
         apply_updates: return the new params (default) or the updates.
-        extra_args: keyword arguments for ``tx.update`` (e.g. ``value=loss``).
+        extra_args: keyword arguments for ``tx.update`` (e.g. ``value=loss``),
+            over the flat named params as ``tx`` sees them.
 
     Returns:
         A :class:`FlatStep` ``(step + 1, new opt_state, new params or updates)``.
@@ -234,7 +292,14 @@ def flat_step(
     extra = dict(extra_args or {})
     if _is_tracer(step):
         return _flat_step_traced(tx, step, opt_state, flat_grads, flat_params, extra, apply_updates)
-    return _flat_step_compiled(tx, step, opt_state, flat_grads, flat_params, extra, apply_updates)
+    flat_grads, flat_params = _strong_tree(flat_grads), _strong_tree(flat_params)
+    dynamic, static = _split_extra(extra)
+    try:
+        hash(static)
+    except TypeError:  # an unhashable extra argument: compiled for this call only
+        one_off = functools.partial(_flat_step_traced, tx, extra_args=extra, apply_updates=apply_updates)
+        return jax.jit(one_off)(step, opt_state, flat_grads, flat_params)
+    return _flat_step_compiled(tx, step, opt_state, flat_grads, flat_params, dynamic, static, apply_updates)
 
 
 class Optimizer:
@@ -246,9 +311,24 @@ class Optimizer:
 
     Args:
         tx: the optax transformation (an ``optax.MultiSteps`` is accepted too).
-        wrt: which leaves are trained. ``None``: every floating-point array leaf.
-            A glob (or list of globs) over parameter names: the float leaves whose
-            name matches. A callable ``(name, leaf) -> bool``: the leaves it selects.
+        wrt: which leaves are trained; of the leaves selected by a glob or an
+            nnx filter, the floating-point arrays.
+
+            - ``None`` (default): every floating-point array leaf, except those
+              held by an nnx ``Variable`` other than ``nnx.Param``. So an nnx
+              Module or State trains its ``nnx.Param`` only (not BatchNorm
+              statistics, RNG state, caches), like ``nnx.Optimizer(wrt=nnx.Param)``.
+            - a string: a glob over parameter names (``"encoder/*"``); a list or
+              tuple of strings: any of the globs.
+            - an nnx filter: a class (``nnx.Param``, ``nnx.BatchStat``), ``...``,
+              or an object of ``flax.nnx.filterlib`` (``nnx.PathContains``,
+              ``nnx.Any``, ``nnx.All``, ``nnx.Not``, ``nnx.WithTag``), called as
+              nnx calls it, with the nnx path and the ``Variable``.
+            - any other callable: a predicate ``(name, leaf) -> bool`` on the
+              parameter name and the raw array. Wrap an nnx-style
+              ``(path, variable)`` function in ``nnx.Any(fn)`` to have it read
+              as an nnx filter.
+            - a list or tuple mixing these: a leaf any of them selects.
 
     Example:
         >>> import jax, jax.numpy as jnp, optax, treeopt
@@ -262,6 +342,15 @@ class Optimizer:
         >>> params, opt = train_step(params, opt)
         >>> params["w"], int(opt.step)
         (Array([0.8, 0.8, 0.8], dtype=float32), 1)
+
+        An nnx Module trains its ``nnx.Param`` by default; ``wrt`` takes nnx filters:
+
+        >>> from flax import nnx
+        >>> model = nnx.BatchNorm(2, rngs=nnx.Rngs(0))
+        >>> treeopt.Optimizer(optax.sgd(0.1)).init(model).paths
+        ('bias', 'scale')
+        >>> treeopt.Optimizer(optax.sgd(0.1), wrt=(nnx.Param, nnx.BatchStat)).init(model).paths
+        ('bias', 'mean', 'scale', 'var')
     """
 
     __slots__ = _FIELDS
@@ -354,15 +443,25 @@ class Optimizer:
     ) -> Any:
         """Applies one optimizer step: updates the state in place and returns new params.
 
+        The gradients come first: ``params = opt.update(grads, params)``
+        (``nnx.Optimizer`` takes them the other way round; an nnx Module where
+        the gradients go is an error that says so).
+
         Args:
-            grads: gradients shaped like the params given to ``init`` (leaves that are
-                not trained may be ``None`` or absent when matched by name).
+            grads: gradients shaped like the params given to ``init``, or any tree
+                with the same names (``nnx.grad``'s State for an nnx Module); leaves
+                that are not trained may be ``None`` or absent when matched by name.
             params: the current params. Required with ``apply_updates=True`` and by
                 transformations that read params (weight decay, lamb, lars, ...).
+                An nnx Module is updated in place (its ``Variable``s get the new
+                values, as ``nnx.Optimizer.update`` does) and returned.
             apply_updates: return new params (default) or the updates themselves,
                 shaped like ``grads``.
-            **extra_args: passed to ``tx.update`` (e.g. ``value=loss`` for
-                ``optax.contrib.reduce_on_plateau``).
+            **extra_args: passed to ``tx.update`` (``value=loss`` for
+                ``optax.contrib.reduce_on_plateau``; ``value``, ``grad`` and
+                ``value_fn`` for ``optax.lbfgs``). A function (``value_fn``) is
+                called with params in the structure given here; a tree shaped like
+                params or grads (``grad``) is matched by name like ``grads``.
 
         Returns:
             New params of the same type and structure as ``params``, or the updates.
@@ -375,6 +474,17 @@ class Optimizer:
             {'w': Array([0.5, 0.5], dtype=float32)}
             >>> opt.update({"w": jnp.ones(2)}, apply_updates=False)
             {'w': Array([-0.5, -0.5], dtype=float32)}
+
+            An nnx Module is updated in place:
+
+            >>> from flax import nnx
+            >>> model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+            >>> opt = treeopt.Optimizer(optax.sgd(0.5)).init(model)
+            >>> grads = nnx.grad(lambda m: m(jnp.ones((1, 2))).sum())(model)
+            >>> opt.update(grads, model) is model
+            True
+            >>> model.bias[...]
+            Array([-0.5], dtype=float32)
         """
         layout = self._require_layout()
         if apply_updates and params is None:
@@ -383,8 +493,17 @@ class Optimizer:
                 "call opt.update(grads, params), or opt.update(grads, apply_updates=False) "
                 "to get the updates."
             )
+        if params is not None and is_nnx_graph(grads) and not is_nnx_graph(params):
+            raise TypeError(_swapped_message(grads, params))
         flat_grads, rebuild_grads = layout.split_grads(grads)
-        flat_params, merge_params = self._split_params(params)
+        try:
+            flat_params, merge_params = self._split_params(params)
+        except ValueError:
+            if is_nnx_object(grads) and jax.tree.structure(grads) == layout.treedef:
+                raise TypeError(_swapped_message(grads, params)) from None
+            raise
+        if extra_args:
+            extra_args = self._user_extra_args(extra_args, grads, params)
         if _is_tracer(self.step):
             _refuse_foreign_trace(self.step)
         else:
@@ -409,12 +528,35 @@ class Optimizer:
             return optax.LookaheadParams(rebuild_grads(out.fast), rebuild_grads(out.slow))
         return rebuild_grads(out)
 
+    def _user_extra_args(self, extra_args: Mapping[str, Any], grads: Any, params: Any) -> dict[str, Any]:
+        """The extra arguments of ``tx.update`` as optax must see them, from the user's structure.
+
+        Functions of params (``value_fn``) are wrapped to receive params in the
+        structure given to ``update``; trees shaped like params or grads
+        (``grad=``) become flat dicts by name, like the grads.
+        """
+        layout = self._require_layout()
+        if self._lookahead:
+            return dict(extra_args)
+        structures = {layout.treedef, jax.tree.structure(grads)}
+        out = {}
+        for key, value in extra_args.items():
+            if _shaped_like_params(key, value, layout, structures):  # before callables: a Module is one
+                out[key] = layout.split_grads(value)[0]
+            elif callable(value) and params is not None:
+                out[key] = _InUserStructure.wrap(value, layout, params)
+            else:
+                out[key] = value
+        return out
+
     def _split_params(self, params: Any) -> tuple[Any, Any]:
         """``(flat params for tx.update, merge)``; ``merge(flat)`` rebuilds params of the given type."""
         if params is None:
             return None, None
         layout = self._require_layout()
         if not self._lookahead:
+            if is_nnx_graph(params):  # an nnx Module: updated in place, as nnx.Optimizer does
+                return layout.split_module(params)
             flat, leaves = layout.split_params(params)
             return flat, functools.partial(layout.merge_params, leaves)
         if not is_lookahead(params):
@@ -592,6 +734,101 @@ class Optimizer:
             f"Optimizer(tx={_tx_name(self.tx)}, step={step_text}, "
             f"params={len(self._layout.names)})"
         )
+
+
+def _swapped_message(grads: Any, params: Any) -> str:
+    def what(x: Any) -> str:
+        if is_nnx_graph(x):
+            return f"the nnx Module {type(x).__name__}"
+        if is_nnx_object(x):
+            return f"an nnx {type(x).__name__}"
+        return f"a {type(x).__name__}"
+
+    return (
+        "Optimizer.update takes the gradients first and the params second:\n"
+        "    params = opt.update(grads, params)\n"
+        "or, for an nnx Module (updated in place, as nnx.Optimizer does):\n"
+        "    opt.update(grads, model)\n"
+        f"It received {what(grads)} where the gradients go and {what(params)} where the params go: "
+        "that is nnx.Optimizer's order, optimizer.update(model, grads). Swap the two arguments."
+    )
+
+
+def _shaped_like_params(key: str, value: Any, layout: ParamLayout, structures: set[Any]) -> bool:
+    """Whether an extra argument is a tree of per-parameter values (``grad=``), to be flattened by name."""
+    treedef: Any = jax.tree.structure(value)
+    if treedef not in structures or treedef.num_leaves == 0:
+        return False
+    if treedef.num_nodes == 1:
+        # Params that are one bare array: a leaf of its shape is per-parameter, but
+        # never the objective's value.
+        return key != "value" and layout.avals == ((tuple(np.shape(value)), np.dtype(value.dtype)),)
+    return True
+
+
+class _InUserStructure:
+    """A function of params that optax calls with the flat named params; it gets them as the user gave them.
+
+    A pytree: the params' untrained array leaves are its children (traced
+    inputs of a compiled step); the function, the params' structure, the
+    positions of the trained leaves and the other leaves are its static data.
+    So ``value_fn`` of ``optax.lbfgs`` sees a nested dict, an nnx Module or an
+    equinox module, and eagerly it is part of the compile key, never a traced
+    argument.
+    """
+
+    __slots__ = ("arrays", "fixed", "fn", "index", "names", "treedef")
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        treedef: Any,
+        names: tuple[str, ...],
+        index: tuple[int, ...],
+        arrays: tuple[Any, ...],
+        fixed: tuple[tuple[int, Any], ...],
+    ):
+        self.fn, self.treedef, self.names, self.index = fn, treedef, names, index
+        self.arrays, self.fixed = arrays, fixed
+
+    @classmethod
+    def wrap(cls, fn: Callable[..., Any], layout: ParamLayout, params: Any) -> _InUserStructure:
+        leaves, treedef = jax.tree.flatten(params)
+        index = layout.trained_positions(params, treedef)
+        trained = set(index)
+        is_array = [i not in trained and isinstance(leaf, _ARRAYS) for i, leaf in enumerate(leaves)]
+        arrays = tuple(leaf if keep else None for leaf, keep in zip(leaves, is_array, strict=True))
+        fixed = tuple(
+            (i, leaf)
+            for i, (leaf, keep) in enumerate(zip(leaves, is_array, strict=True))
+            if not keep and i not in trained
+        )
+        return cls(fn, treedef, layout.names, index, arrays, fixed)
+
+    def __call__(self, params: Any, *args: Any, **kwargs: Any) -> Any:
+        if (
+            isinstance(params, Mapping)
+            and len(params) == len(self.names)
+            and all(name in params for name in self.names)
+        ):
+            leaves = list(self.arrays)
+            for i, leaf in self.fixed:
+                leaves[i] = leaf
+            for name, i in zip(self.names, self.index, strict=True):
+                leaves[i] = params[name]
+            params = self.treedef.unflatten(leaves)
+        return self.fn(params, *args, **kwargs)
+
+    def _flatten(self) -> tuple[Any, Any]:
+        return self.arrays, (self.fn, self.treedef, self.names, self.index, self.fixed)
+
+    @classmethod
+    def _unflatten(cls, aux: Any, children: Any) -> _InUserStructure:
+        fn, treedef, names, index, fixed = aux
+        return cls(fn, treedef, names, index, tuple(children), fixed)
+
+
+jax.tree_util.register_pytree_node(_InUserStructure, _InUserStructure._flatten, _InUserStructure._unflatten)
 
 
 def _tx_name(tx: optax.GradientTransformation) -> str:

@@ -1,0 +1,237 @@
+"""Extra arguments of ``update`` (``value``, ``grad``, ``value_fn``) in the user's structure.
+
+optax's L-BFGS calls ``value_fn(params)`` from its zoom line search and reads
+``grad`` leaf by leaf beside the gradients, so both must reach it in the
+structure of the flat, named params the state is kept over, while the user
+writes them for nested params. Checked against raw optax on nested params:
+
+- under ``jax.jit``: bit for bit (the same program up to the container of the
+  params; the leaves come in the same order);
+- eagerly: treeopt runs one compiled step, raw optax runs op by op, so float32
+  rounding differs: ``rtol=1e-5, atol=1e-6`` (``EAGER_TOL``) on the objective
+  values and params over a few steps.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import treeopt
+from treeopt.optimizer import flat_step
+
+EAGER_TOL = {"rtol": 1e-5, "atol": 1e-6}
+
+PARAMS = {
+    "encoder": {"w": jnp.array([[0.5, -1.0], [1.5, 0.2]]), "b": jnp.array([0.1, -0.3])},
+    "head": [jnp.array([1.0, 2.0]), jnp.float32(0.5)],
+}
+
+
+def objective(params):
+    h = jnp.tanh(params["encoder"]["w"] @ jnp.array([1.0, -2.0]) + params["encoder"]["b"])
+    fit = jnp.sum((h * params["head"][0] - jnp.array([0.3, -0.7])) ** 2)
+    return fit + (params["head"][1] - 1.0) ** 2 + 0.1 * jnp.sum(params["encoder"]["w"] ** 4)
+
+
+def run_raw(tx, params, steps, jit, **value_fn):
+    state = tx.init(params)
+
+    def step(params, state):
+        value, grad = jax.value_and_grad(objective)(params)
+        updates, state = tx.update(grad, state, params, value=value, grad=grad, **value_fn)
+        return optax.apply_updates(params, updates), state, value
+
+    step = jax.jit(step) if jit else step
+    values = []
+    for _ in range(steps):
+        params, state, value = step(params, state)
+        values.append(float(value))
+    return params, values
+
+
+def run_treeopt(tx, params, steps, jit, **value_fn):
+    opt = treeopt.Optimizer(tx).init(params)
+
+    def step(params, opt):
+        value, grad = jax.value_and_grad(objective)(params)
+        params = opt.update(grad, params, value=value, grad=grad, **value_fn)
+        return params, opt, value
+
+    step = jax.jit(step) if jit else step
+    values = []
+    for _ in range(steps):
+        params, opt, value = step(params, opt)
+        values.append(float(value))
+    return params, values
+
+
+def assert_trees_equal(a, b):
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def assert_trees_close(a, b):
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), **EAGER_TOL)
+
+
+# -- L-BFGS (zoom line search: value, grad and value_fn) --------------------------------
+
+
+def test_lbfgs_under_jit_equals_raw_optax_bit_for_bit():
+    tx = optax.lbfgs()
+    want_params, want = run_raw(tx, PARAMS, 12, jit=True, value_fn=objective)
+    got_params, got = run_treeopt(tx, PARAMS, 12, jit=True, value_fn=objective)
+    assert got == want
+    assert got[-1] < 0.01 * got[0]
+    assert_trees_equal(got_params, want_params)
+
+
+def test_lbfgs_eager_agrees_with_raw_optax():
+    tx = optax.lbfgs()
+    want_params, want = run_raw(tx, PARAMS, 4, jit=False, value_fn=objective)
+    got_params, got = run_treeopt(tx, PARAMS, 4, jit=False, value_fn=objective)
+    np.testing.assert_allclose(got, want, **EAGER_TOL)
+    assert_trees_close(got_params, want_params)
+
+
+def test_lbfgs_eager_compiles_once_for_the_same_value_fn():
+    calls = 0
+
+    def counted(params):
+        nonlocal calls
+        calls += 1  # Python runs only while tracing
+        return objective(params)
+
+    params = {**PARAMS, "head": [PARAMS["head"][0], jnp.array(0.5)]}
+    assert params["head"][1].weak_type  # so are its gradient and grad=, until the first step
+    opt = treeopt.Optimizer(optax.lbfgs()).init(params)
+    for i in range(5):
+        value, grad = jax.value_and_grad(objective)(params)
+        params = opt.update(grad, params, value=value, grad=grad, value_fn=counted)
+        if i == 0:
+            traced = calls
+    assert traced > 0 and calls == traced
+    assert int(opt.step) == 5
+
+
+def test_value_fn_sees_params_in_the_structure_given_to_update():
+    seen = []
+
+    def value_fn(params):
+        seen.append(params)
+        return objective(params)
+
+    opt = treeopt.Optimizer(optax.lbfgs()).init(PARAMS)
+    value, grad = jax.value_and_grad(objective)(PARAMS)
+    opt.update(grad, PARAMS, value=value, grad=grad, value_fn=value_fn)
+    assert seen and all(jax.tree.structure(p) == jax.tree.structure(PARAMS) for p in seen)
+
+
+def test_value_fn_gets_untrained_leaves_and_a_module():
+    """An equinox-like tree with a frozen leaf and a Python field, and an nnx Module, reach value_fn whole."""
+    params = {"w": jnp.array([2.0, -1.0]), "frozen": jnp.array([0.5, 0.5]), "name": "toy", "n": jnp.int32(3)}
+
+    def value_fn(p):
+        assert p["name"] == "toy" and p["n"].dtype == jnp.int32
+        return jnp.sum((p["w"] - p["frozen"]) ** 2)
+
+    opt = treeopt.Optimizer(optax.lbfgs(), wrt="w").init(params)
+    for _ in range(3):
+        value, g = jax.value_and_grad(lambda w, p=params: value_fn({**p, "w": w}))(params["w"])
+        grad = {"w": g}  # the trained entries only, matched by name
+        params = opt.update(grad, params, value=value, grad=grad, value_fn=value_fn)
+    np.testing.assert_allclose(np.asarray(params["w"]), [0.5, 0.5], atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(params["frozen"]), [0.5, 0.5])
+
+    model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+    x = jnp.array([[1.0, 2.0], [-1.0, 0.5], [0.3, 0.3]])
+    y = jnp.array([[1.0], [0.0], [0.5]])
+
+    def model_loss(model):
+        assert isinstance(model, nnx.Linear)
+        return jnp.mean((model(x) - y) ** 2)
+
+    opt = treeopt.Optimizer(optax.lbfgs()).init(model)
+    first = float(model_loss(model))
+    for _ in range(3):
+        value, grads = nnx.value_and_grad(model_loss)(model)  # a State, matched by name
+        opt.update(grads, model, value=value, grad=grads, value_fn=model_loss)
+    assert float(model_loss(model)) < 0.5 * first
+
+
+def test_grad_shaped_like_params_is_matched_by_name():
+    seen = {}
+
+    def update(updates, state, params=None, *, grad, **extra):
+        seen["grad"] = grad
+        return updates, state
+
+    tx = optax.GradientTransformationExtraArgs(lambda params: optax.EmptyState(), update)
+    opt = treeopt.Optimizer(tx).init(PARAMS)
+    grads = jax.grad(objective)(PARAMS)
+    opt.update(grads, PARAMS, grad=grads)
+    assert sorted(seen["grad"]) == sorted(opt.paths)
+    assert seen["grad"]["encoder/w"].shape == (2, 2) and seen["grad"]["head/1"].shape == ()
+
+
+def test_zoom_linesearch_on_its_own_and_backtracking_take_value_fn():
+    for tx in (
+        optax.chain(optax.sgd(1.0), optax.scale_by_zoom_linesearch(max_linesearch_steps=10)),
+        optax.chain(optax.sgd(1.0), optax.scale_by_backtracking_linesearch(max_backtracking_steps=10)),
+    ):
+        want_params, want = run_raw(tx, PARAMS, 3, jit=True, value_fn=objective)
+        got_params, got = run_treeopt(tx, PARAMS, 3, jit=True, value_fn=objective)
+        assert got == want
+        assert_trees_equal(got_params, want_params)
+        run_treeopt(tx, PARAMS, 2, jit=False, value_fn=objective)  # and eagerly
+
+
+# -- reduce_on_plateau (value) ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
+def test_reduce_on_plateau_agrees_with_raw_optax(jit):
+    tx = optax.chain(optax.adam(0.3), optax.contrib.reduce_on_plateau(patience=1, factor=0.5, cooldown=0))
+    steps = 12
+    want_params, want = run_raw(tx, PARAMS, steps, jit=True)
+    got_params, got = run_treeopt(tx, PARAMS, steps, jit=jit)
+    if jit:
+        assert got == want
+        assert_trees_equal(got_params, want_params)
+    else:
+        np.testing.assert_allclose(got, want, **EAGER_TOL)
+        assert_trees_close(got_params, want_params)
+
+
+# -- functions among the extra arguments of the pure step -----------------------------------
+
+
+def test_flat_step_takes_functions_and_unhashable_objects_eagerly():
+    def update(updates, state, params=None, *, scale_fn, **extra):
+        return jax.tree.map(lambda u: scale_fn(u), updates), state
+
+    tx = optax.GradientTransformationExtraArgs(lambda params: optax.EmptyState(), update)
+    params = {"w": jnp.ones(2)}
+
+    def double(u):
+        return 2 * u
+
+    out = flat_step(tx, jnp.int32(0), optax.EmptyState(), params, params, extra_args={"scale_fn": double})
+    np.testing.assert_array_equal(out.output["w"], [3.0, 3.0])
+
+    class Unhashable:
+        __hash__ = None  # type: ignore[assignment]
+
+        def __call__(self, u):
+            return -u
+
+    out = flat_step(tx, jnp.int32(0), optax.EmptyState(), params, params, extra_args={"scale_fn": Unhashable()})
+    np.testing.assert_array_equal(out.output["w"], [0.0, 0.0])
