@@ -3,10 +3,12 @@
 The test starts 2 worker processes on loopback (``jax.distributed.initialize``,
 CPU collectives), each with 4 virtual CPU devices, so the 8 devices of the
 (data x model) mesh span both processes: each process holds one row of the
-mesh. They train with the state shardings from ``Optimizer.partition_specs``,
-gather the result, and process 0 writes it out; the test compares it with the
-same steps run here on 8 devices of one process: equal up to the rounding of
-sums that the cross-process all-reduce adds in another order (rtol 1e-6).
+mesh. They train twice: with the state laid out like the params, and with the
+state also split over the "data" axis (ZeRO-1, ``shard_state_over="data"``),
+which here splits it across the two processes. They gather the results, and
+process 0 writes them out; the test compares them with the same steps run
+here on 8 devices of one process: equal up to the rounding of sums that the
+cross-process all-reduce adds in another order (rtol 1e-6).
 
 The workers are this file run as a script (``python test_multiprocess.py
 --worker ...``). Every wait has a deadline and the workers are killed when it
@@ -41,6 +43,7 @@ TIMEOUT_S = 240  # for the whole run of both workers (start-up included)
 STEPS = 3
 RTOL, ATOL = 1e-6, 1e-7  # as tests/test_parity.py for reductions: float summation order
 
+LAYOUTS = {"like_params": None, "zero": "data"}  # shard_state_over of each run
 SHAPES = {"w1": (8, 32), "b1": (32,), "w2": (32, 8), "b2": (8,)}
 PARAM_SPECS = {"w1": P(None, "model"), "b1": P("model"), "w2": P("model", None), "b2": P()}
 
@@ -55,7 +58,7 @@ def global_array(host, sharding):
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
-def train(mesh):
+def train(mesh, shard_state_over=None):
     """``STEPS`` sharded training steps; returns every leaf of (params, opt), gathered to the host."""
     rng = np.random.default_rng(0)
     host_params = {name: rng.standard_normal(shape).astype(np.float32) for name, shape in SHAPES.items()}
@@ -65,8 +68,10 @@ def train(mesh):
     param_sh = named_shardings(PARAM_SPECS, mesh)
     batch_sh = NamedSharding(mesh, P("data"))
     params = {name: global_array(host_params[name], param_sh[name]) for name in SHAPES}
-    opt = init_sharded(treeopt.Optimizer(make_tx()), params, mesh, PARAM_SPECS)
-    opt_sh = optimizer_shardings(opt, PARAM_SPECS, mesh)
+    opt = init_sharded(
+        treeopt.Optimizer(make_tx()), params, mesh, PARAM_SPECS, shard_state_over=shard_state_over
+    )
+    opt_sh = optimizer_shardings(opt, PARAM_SPECS, mesh, shard_state_over=shard_state_over)
 
     def loss_fn(params, x, y):
         hidden = jax.nn.relu(x @ params["w1"] + params["b1"])
@@ -85,10 +90,16 @@ def train(mesh):
     for _ in range(STEPS):
         params, opt = train_step(params, opt, x, y)
 
-    # The factored statistic of w1 (8, 32) keeps its "model" axis: 32/4 per device.
-    v_col = opt.opt_state[1][0].v_col["w1"]
+    # The factored statistics of w1 (8, 32): v_col (32,) keeps its "model" axis, 32/4 per
+    # device; v_row (8,) is replicated, or with ZeRO split over "data", i.e. over the processes.
+    v_col, v_row = opt.opt_state[1][0].v_col["w1"], opt.opt_state[1][0].v_row["w1"]
     assert v_col.sharding.spec == P("model"), v_col.sharding
     assert {s.data.shape for s in v_col.addressable_shards} == {(8,)}
+    if shard_state_over is None:
+        assert v_row.sharding.spec == P(), v_row.sharding
+    else:
+        assert v_row.sharding.spec == P("data"), v_row.sharding
+        assert {s.data.shape for s in v_row.addressable_shards} == {(4,)}
     leaves = jax.tree.leaves((params, opt))
     return [np.asarray(leaf) for leaf in multihost_utils.process_allgather(leaves, tiled=True)]
 
@@ -112,9 +123,10 @@ def worker(process_id: int, port: int, out_dir: str) -> None:
     assert jax.local_device_count() == DEVICES_PER_PROCESS
     devices = jax.devices()  # process 0's devices, then process 1's: one mesh row each
     assert len(devices) == NUM_PROCESSES * DEVICES_PER_PROCESS
-    leaves = train(make_mesh(devices))
-    if process_id == 0:
-        np.savez(Path(out_dir) / "result.npz", *leaves)
+    for label, over in LAYOUTS.items():
+        leaves = train(make_mesh(devices), over)
+        if process_id == 0:
+            np.savez(Path(out_dir) / f"{label}.npz", *leaves)
     jax.distributed.shutdown()
 
 
@@ -180,14 +192,19 @@ def test_two_processes_match_one_process(tmp_path):
             )
             raise AssertionError(f"the multi-process run failed:\n{report}")
 
-    with np.load(tmp_path / "result.npz") as data:
-        multi = [data[f"arr_{i}"] for i in range(len(data.files))]
-    single = train(make_mesh(jax.devices()[:8]))
-    assert len(multi) == len(single)
-    for got, want in zip(multi, single, strict=True):
-        assert got.shape == want.shape and got.dtype == want.dtype
-        # Same program, same shards; only the order in which cross-process all-reduces
-        # (gloo) add the 4 "model" partial sums may differ: at most an ulp or so.
+    singles = {}
+    for label, over in LAYOUTS.items():
+        with np.load(tmp_path / f"{label}.npz") as data:
+            multi = [data[f"arr_{i}"] for i in range(len(data.files))]
+        single = singles[label] = train(make_mesh(jax.devices()[:8]), over)
+        assert len(multi) == len(single)
+        for got, want in zip(multi, single, strict=True):
+            assert got.shape == want.shape and got.dtype == want.dtype
+            # Same program, same shards; only the order in which cross-process all-reduces
+            # (gloo) add the 4 "model" partial sums may differ: at most an ulp or so.
+            np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL, err_msg=label)
+    # Splitting the state over "data" leaves the numbers as they were.
+    for got, want in zip(singles["zero"], singles["like_params"], strict=True):
         np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)
 
 

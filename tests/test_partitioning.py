@@ -492,6 +492,7 @@ def test_docs_page_code_runs():
     for block in blocks:
         exec(compile(block, str(page), "exec"), namespace)
     assert int(namespace["opt"].step) == 3
+    assert int(namespace["zero_opt"].step) == 3  # the ZeRO section
 
 
 # -- bad input ---------------------------------------------------------------------

@@ -1,9 +1,11 @@
 """Sharding an Optimizer: shardings for its state from the params' ones, and sharded init.
 
-The specs themselves come from :meth:`treeopt.Optimizer.partition_specs`
-(any optax transformation, no table of state types). This module turns them
-into ``NamedSharding``s for a ``Mesh``, reads specs from flax linen's logical
-partitioning, and creates an optimizer whose state is born sharded.
+The specs are derived from the params' ones for any optax transformation,
+with no table of state types (as :meth:`treeopt.Optimizer.partition_specs`
+does). This module turns them into ``NamedSharding``s for a ``Mesh``, reads
+specs from flax linen's logical partitioning, creates an optimizer whose state
+is born sharded and, with ``shard_state_over="data"`` (ZeRO-1), splits the
+state over the data-parallel axis too (:func:`zero_report` tells what it split).
 
 Example:
     >>> import jax, jax.numpy as jnp, numpy as np, optax, treeopt
@@ -27,10 +29,22 @@ import jax
 from flax.core import meta
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from treeopt._specs import derive_spec, flat_param_specs, is_spec, spec_leaves_with_names
+from treeopt._specs import (
+    ZeroLeaf,
+    ZeroReport,
+    check_axes,
+    derive_spec,
+    flat_param_specs,
+    is_spec,
+    optimizer_state_specs,
+    spec_leaves_with_names,
+    zero_plan,
+)
 from treeopt.optimizer import Optimizer
 
 __all__ = [
+    "ZeroLeaf",
+    "ZeroReport",
     "derive_spec",
     "init_sharded",
     "is_spec",
@@ -40,29 +54,11 @@ __all__ = [
     "optimizer_specs",
     "param_specs_of",
     "spec_leaves_with_names",
+    "zero_report",
 ]
 
 LogicalRules = Sequence[tuple[str, str | tuple[str, ...] | None]]
-
-
-def _axis_names(entry: Any) -> tuple[Any, ...]:
-    if entry is None or entry is PartitionSpec.UNCONSTRAINED:
-        return ()
-    return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
-
-
-def _check_axes(spec: PartitionSpec, mesh: Mesh, where: str) -> None:
-    unknown = [name for entry in spec for name in _axis_names(entry) if name not in mesh.axis_names]
-    if unknown:
-        hint = (
-            " If these are logical axis names, pass the logical-to-mesh rules (rules=...)."
-            if any(isinstance(name, str) for name in unknown)
-            else ""
-        )
-        raise ValueError(
-            f"{where}: {spec} uses {unknown}, not an axis of the mesh "
-            f"(its axes: {tuple(mesh.axis_names)}).{hint}"
-        )
+AxisNames = str | Sequence[str]
 
 
 def named_shardings(specs: Any, mesh: Mesh) -> Any:
@@ -93,7 +89,7 @@ def named_shardings(specs: Any, mesh: Mesh) -> Any:
             )
         spec = PartitionSpec() if spec is None else spec
         where = f"PartitionSpec at {jax.tree_util.keystr(path)}"
-        _check_axes(spec, mesh, where)
+        check_axes(spec, mesh, where)
         try:
             return NamedSharding(mesh, spec)
         except Exception as err:  # e.g. a mesh axis used twice in one spec
@@ -151,36 +147,80 @@ def param_specs_of(params: Any) -> Any:
 
 
 def _mesh_param_specs(opt: Optimizer, param_specs: Any, mesh: Mesh | None, rules: LogicalRules | None) -> Any:
+    if _has_boxes(param_specs):
+        param_specs = param_specs_of(param_specs)
     if rules is not None:
         param_specs = logical_to_mesh_specs(param_specs, rules)
     flat = flat_param_specs(param_specs, opt._require_layout())
     if mesh is not None:
         for name, spec in flat.items():
-            _check_axes(spec, mesh, f"PartitionSpec of parameter '{name}'")
+            check_axes(spec, mesh, f"PartitionSpec of parameter '{name}'")
     return flat
 
 
-def optimizer_specs(opt: Optimizer, param_specs: Any, *, rules: LogicalRules | None = None) -> Optimizer:
+def _optimizer_shaped(opt: Optimizer, state_specs: Any) -> Optimizer:
+    """``opt``'s own tree (same static data) with ``P()`` at ``step`` and ``state_specs`` below."""
+    leaves = [PartitionSpec(), *jax.tree.leaves(state_specs, is_leaf=is_spec)]
+    return jax.tree.unflatten(jax.tree.structure(opt), leaves)
+
+
+def optimizer_specs(
+    opt: Optimizer,
+    param_specs: Any,
+    *,
+    rules: LogicalRules | None = None,
+    shard_state_over: AxisNames | None = None,
+    mesh: Mesh | None = None,
+) -> Optimizer:
     """:meth:`Optimizer.partition_specs`, with logical param specs translated by ``rules`` first.
 
     Translating the params' specs before deriving the state's keeps every state
     leaf sharded exactly like its param (no resharding in the update).
 
+    Args:
+        opt: an initialized Optimizer, or an abstract one (``jax.eval_shape(opt.init, params)``).
+        param_specs: ``PartitionSpec``s shaped like params (mesh axes, or logical
+            names with ``rules``), or flax-boxed params.
+        rules: flax linen logical axis rules, for logical specs.
+        shard_state_over: ZeRO-1: a mesh axis name (or a tuple of them) to split
+            the state over as well, on top of the params' specs; needs ``mesh``.
+            See :func:`zero_report` for which leaves it splits. ``None``: the
+            state is laid out exactly like the params.
+        mesh: the mesh, to check the specs' axes against and, with
+            ``shard_state_over``, for its axis sizes.
+
     Example:
-        >>> import jax.numpy as jnp, optax, treeopt
-        >>> from jax.sharding import PartitionSpec as P
+        >>> import jax, jax.numpy as jnp, numpy as np, optax, treeopt
+        >>> from jax.sharding import Mesh, PartitionSpec as P
         >>> opt = treeopt.Optimizer(optax.sgd(0.1, momentum=0.9)).init({"wi": jnp.ones((2, 4))})
         >>> specs = optimizer_specs(opt, {"wi": P("embed", "mlp")}, rules=[("mlp", "model")])
         >>> specs.opt_state[0].trace["wi"] == P(None, "model")
         True
+        >>> mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
+        >>> zero = optimizer_specs(opt, {"wi": P(None, "model")}, shard_state_over="data", mesh=mesh)
+        >>> zero.opt_state[0].trace["wi"] == P("data", "model")
+        True
     """
-    return opt.partition_specs(_mesh_param_specs(opt, param_specs, None, rules))
+    flat = _mesh_param_specs(opt, param_specs, mesh, rules)
+    state = optimizer_state_specs(
+        opt.opt_state, opt._require_layout(), flat, shard_state_over=shard_state_over, mesh=mesh
+    )
+    return _optimizer_shaped(opt, state)
 
 
 def optimizer_shardings(
-    opt: Optimizer, param_specs: Any, mesh: Mesh, *, rules: LogicalRules | None = None
+    opt: Optimizer,
+    param_specs: Any,
+    mesh: Mesh,
+    *,
+    rules: LogicalRules | None = None,
+    shard_state_over: AxisNames | None = None,
 ) -> Optimizer:
     """An Optimizer-shaped tree of ``NamedSharding``s for ``opt``'s step and state.
+
+    The tree carries ``opt``'s static data (its ``tx`` object): use it for the
+    optimizer built from that same ``tx`` (an ``Optimizer`` of another, equal
+    looking ``optax.adam(...)`` is another pytree type for ``jax.jit``).
 
     Args:
         opt: an initialized Optimizer, or an abstract one (``jax.eval_shape(opt.init, params)``).
@@ -189,6 +229,9 @@ def optimizer_shardings(
         mesh: the ``jax.sharding.Mesh``.
         rules: flax linen logical axis rules (``[("embed", "data"), ("mlp", "model")]``);
             ``None`` when ``param_specs`` already name mesh axes.
+        shard_state_over: ZeRO-1: the data-parallel mesh axis (or a tuple of
+            axes) to split the state over as well; ``None`` lays the state out
+            like the params. See :func:`zero_report`.
 
     Returns:
         Shardings to pass as ``in_shardings``/``out_shardings`` of ``jax.jit`` for the optimizer.
@@ -201,11 +244,56 @@ def optimizer_shardings(
         >>> shardings = optimizer_shardings(opt, {"w": P("data", "model")}, mesh)
         >>> shardings.opt_state[0].nu["w"].spec == P("data", "model")
         True
+        >>> zero = optimizer_shardings(opt, {"w": P()}, mesh, shard_state_over="data")
+        >>> zero.opt_state[0].nu["w"].spec == P(None, "data")   # the larger dimension, 8
+        True
     """
-    if _has_boxes(param_specs):
-        param_specs = param_specs_of(param_specs)
+    specs = optimizer_specs(opt, param_specs, rules=rules, shard_state_over=shard_state_over, mesh=mesh)
+    return named_shardings(specs, mesh)
+
+
+def zero_report(
+    opt: Optimizer,
+    param_specs: Any,
+    mesh: Mesh,
+    shard_state_over: AxisNames = "data",
+    *,
+    rules: LogicalRules | None = None,
+) -> ZeroReport:
+    """What ``shard_state_over`` does to each state leaf: the dimension it splits, or why none.
+
+    Every floating-point state leaf that belongs to a parameter (moments,
+    factored statistics, per-dimension accumulators, ...) gets the axes on its
+    largest dimension that no mesh axis splits yet and that the axes' size
+    divides. Leaves left as they were are listed with the reason: ``"not
+    param-owned"`` (counts, hyperparameters, RNG keys), ``"already uses the
+    axis"`` (e.g. FSDP params), ``"every dimension already sharded"``, ``"too
+    small"`` or ``"not divisible"``.
+
+    Args:
+        opt: an initialized Optimizer, or an abstract one (``jax.eval_shape(opt.init, params)``).
+        param_specs: as for :func:`optimizer_shardings`.
+        mesh: the ``jax.sharding.Mesh``.
+        shard_state_over: the mesh axis (or tuple of axes) the state is split over.
+        rules: flax linen logical axis rules, for logical specs.
+
+    Returns:
+        A :class:`ZeroReport`: ``str()`` of it is a table; ``.sharded`` / ``.unsharded``
+        list the leaves; ``.bytes_per_device(zero=...)`` the state's bytes on one device.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, numpy as np, optax, treeopt
+        >>> from jax.sharding import Mesh, PartitionSpec as P
+        >>> mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
+        >>> opt = jax.eval_shape(treeopt.Optimizer(optax.adam(1e-3)).init, {"w": jnp.ones((4, 8))})
+        >>> report = zero_report(opt, {"w": P()}, mesh, "data")
+        >>> [(leaf.path, leaf.dim) for leaf in report.sharded]
+        [("opt_state[0].mu['w']", 1), ("opt_state[0].nu['w']", 1)]
+        >>> [(leaf.path, leaf.reason) for leaf in report.unsharded]
+        [('opt_state[0].count', 'not param-owned')]
+    """
     flat = _mesh_param_specs(opt, param_specs, mesh, rules)
-    return named_shardings(opt.partition_specs(flat), mesh)
+    return zero_plan(opt.opt_state, opt._require_layout(), flat, shard_state_over, mesh)[1]
 
 
 def _has_boxes(tree: Any) -> bool:
@@ -230,6 +318,7 @@ def init_sharded(
     param_specs: Any = None,
     *,
     rules: LogicalRules | None = None,
+    shard_state_over: AxisNames | None = None,
 ) -> Optimizer:
     """``opt.init(params)`` with the state created directly sharded (``jit(init, out_shardings=...)``).
 
@@ -244,6 +333,9 @@ def init_sharded(
             names with ``rules``). ``None``: read from ``params`` with
             :func:`param_specs_of` (flax boxes, or the arrays' ``NamedSharding``).
         rules: flax linen logical axis rules, for logical specs.
+        shard_state_over: ZeRO-1: a mesh axis (or tuple of axes) to split the
+            state over as well, e.g. the data-parallel axis; each device then
+            creates and holds only its slice. See :func:`zero_report`.
 
     Returns:
         The initialized Optimizer, its step replicated and each state leaf sharded.
@@ -258,6 +350,9 @@ def init_sharded(
         >>> opt = init_sharded(treeopt.Optimizer(tx), params, mesh, specs)
         >>> opt.opt_state[0].v_col["w"].sharding.spec == P("model")   # (8,): the "model" axis kept
         True
+        >>> zero = init_sharded(treeopt.Optimizer(optax.adam(1e-3)), params, mesh, specs, shard_state_over="data")
+        >>> zero.opt_state[0].mu["w"].sharding.spec == P("data", "model")
+        True
     """
     if param_specs is None:
         param_specs = param_specs_of(params)
@@ -266,5 +361,7 @@ def init_sharded(
     if _has_boxes(params):
         params = _unbox(params)
     abstract = jax.eval_shape(opt.init, params)
-    shardings = optimizer_shardings(abstract, param_specs, mesh, rules=rules)
+    shardings = optimizer_shardings(
+        abstract, param_specs, mesh, rules=rules, shard_state_over=shard_state_over
+    )
     return jax.jit(opt.init, out_shardings=shardings)(params)
