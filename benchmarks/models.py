@@ -104,3 +104,34 @@ def nnx_mlp(params: dict[str, Any]) -> Any:
             return jnp.mean(x**2)
 
     return MLP(params["layers"])
+
+
+def nnx_bn_mlp(n_blocks: int, width: int, seed: int = 0) -> Any:
+    """An ``nnx.Module``: ``n_blocks`` x (Linear, BatchNorm, relu, Dropout) and a Linear head.
+
+    Its forward pass in training mode moves BatchNorm's running statistics and
+    Dropout's RNG count, so a training loop must carry that non-Param state.
+    Built from ``seed`` alone: two calls give the same numbers.
+    """
+    from flax import nnx
+
+    class Block(nnx.Module):
+        def __init__(self, rngs: nnx.Rngs):
+            self.linear = nnx.Linear(width, width, rngs=rngs)
+            self.norm = nnx.BatchNorm(width, rngs=rngs)
+            self.drop = nnx.Dropout(0.1, rngs=rngs)
+
+        def __call__(self, x: jax.Array) -> jax.Array:
+            return self.drop(nnx.relu(self.norm(self.linear(x))))
+
+    class Net(nnx.Module):
+        def __init__(self, rngs: nnx.Rngs):
+            self.blocks = nnx.List([Block(rngs) for _ in range(n_blocks)])
+            self.head = nnx.Linear(width, 1, rngs=rngs)
+
+        def loss(self, x: jax.Array) -> jax.Array:
+            for block in self.blocks:
+                x = block(x)
+            return jnp.mean((self.head(x) - 1.0) ** 2)
+
+    return Net(nnx.Rngs(seed, dropout=seed + 1))
