@@ -47,6 +47,11 @@ class Profile:
         ("8 blocks x 256 (BatchNorm, Dropout)", 8, 256, 128, 3, 15, 5),
         ("64 blocks x 32 (BatchNorm, Dropout)", 64, 32, 32, 3, 10, 5),
     )
+    # case 10: (label, vocab, d_model, n_layers, d_ff, warmup, timed steps), optimizer
+    zero_configs: Sequence[tuple[str, int, int, int, int, int, int]] = (
+        ("transformer 27M params (6 layers x 512, vocab 16k)", 16_384, 512, 6, 2_048, 2, 10),
+    )
+    zero_optimizer: str = "adam"
     nnx: bool = True
 
 
@@ -86,6 +91,7 @@ QUICK = Profile(
     gpu_config=(1 << 12, 2),
     many_leaves_counts=(8,),
     nnx_loop_configs=(("2 blocks x 4 (BatchNorm, Dropout)", 2, 4, 4, 1, 2, 2),),
+    zero_configs=(("transformer 1 layer x 16, vocab 64", 64, 16, 1, 32, 1, 2),),
 )
 
 

@@ -34,6 +34,7 @@ from benchmarks import (
     optimizer_only,
     retrace,
     train_step,
+    zero,
 )
 from benchmarks._common import FULL, QUICK, Row, environment, with_ratios
 
@@ -49,6 +50,7 @@ CASES: dict[str, tuple[str, Callable[..., list[Row]]]] = {
     "gpu_bandwidth": ("7. GPU: adam/adamw update bandwidth (GB/s, 28 bytes/param)", gpu_bandwidth.run),
     "many_leaves": ("8. Many tiny leaves: first step, trace + compile + run (s), own process", many_leaves.run),
     "nnx_loop": ("9. nnx training loop, BatchNorm + Dropout (median ms per step)", nnx_loop.run),
+    "zero": ("10. ZeRO-1: adam state per device, 8 virtual CPU devices (MiB), own process", zero.run),
 }
 
 # The extra figures each case's table shows beside the value and the ratio.
@@ -74,6 +76,13 @@ NOTES: dict[str, Sequence[tuple[str, str]]] = {
         ("vs_nnx_optimizer", "x nnx.Optimizer {:.3f}"),
         ("same_losses", "same losses: {}"),
         ("first_call_s", "first call {:.1f} s"),
+    ),
+    "zero": (
+        ("state_vs_replicated", "x replicated {:.3f}"),
+        ("median_ms", "step {:.1f} ms"),
+        ("time_vs_replicated", "time x replicated {:.2f}"),
+        ("peak_mib", "peak RSS {:,.0f} MiB"),
+        ("error", "{}"),
     ),
 }
 

@@ -27,6 +27,7 @@ CASE_VARIANTS = {
         "treeopt (cached_partial)",
         "nnx.Optimizer (cached_partial)",
     },
+    "zero": {"replicated state", "ZeRO over data"},
 }
 
 
@@ -83,6 +84,17 @@ def check_nnx_loop_variants_train_the_same_numbers(results: dict) -> None:
         assert ("vs_nnx_optimizer" in r) == r["variant"].startswith("treeopt"), r
 
 
+def check_zero_splits_the_state_eight_ways(results: dict) -> None:
+    by_variant = {r["variant"]: r for r in rows(results, "zero")}
+    base, zero = by_variant["replicated state"], by_variant["ZeRO over data"]
+    assert "error" not in base and "error" not in zero, (base, zero)
+    assert zero["leaves_split"] > 0 and base["leaves_split"] == 0
+    # Only adam's step count is left whole: the rest is 1/8 per device.
+    assert zero["state_bytes_device0"] == (base["state_bytes_device0"] - 4) / 8 + 4
+    assert zero["state_bytes_all_devices"] == base["state_bytes_all_devices"]
+    assert zero["argument_size_in_bytes"] < base["argument_size_in_bytes"]
+
+
 def check_gpu_case_skips_cleanly_without_a_gpu(results: dict) -> None:
     (row,) = rows(results, "gpu_bandwidth")
     if row["variant"].startswith("no GPU"):
@@ -104,6 +116,7 @@ def test_quick_run_measures_every_case(tmp_path: Path) -> None:
     check_gpu_case_skips_cleanly_without_a_gpu(saved)
     check_many_leaves_ran_each_variant_in_its_own_process(saved)
     check_nnx_loop_variants_train_the_same_numbers(saved)
+    check_zero_splits_the_state_eight_ways(saved)
 
 
 def test_gpu_case_code_path_runs_on_any_backend() -> None:
