@@ -38,6 +38,7 @@ from treeopt._specs import (
     is_spec,
     optimizer_state_specs,
     spec_leaves_with_names,
+    zero_leaf_spec,
     zero_plan,
 )
 from treeopt.optimizer import Optimizer
@@ -54,6 +55,7 @@ __all__ = [
     "optimizer_specs",
     "param_specs_of",
     "spec_leaves_with_names",
+    "zero_leaf_spec",
     "zero_report",
 ]
 
