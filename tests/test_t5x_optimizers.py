@@ -1,4 +1,4 @@
-"""treeopt.t5x: the T5X optimizer surface against raw optax and T5X's documented formats.
+"""treeopt.t5x.optimizers against raw optax and T5X's documented formats.
 
 Parity: N ``apply_gradient`` steps equal N raw optax steps on the same nested
 params; element-wise transformations agree to float rounding, those with
@@ -19,7 +19,6 @@ from flax import traverse_util
 from jax.sharding import PartitionSpec as P
 
 import treeopt
-import treeopt.t5x as t5x_optimizers
 from treeopt.t5x import optimizers
 
 RTOL, ATOL = 1e-6, 1e-7
@@ -80,10 +79,6 @@ def t5x_steps(opt, steps=STEPS, grads_fn=grads_at, **overrides):
 ALIASES = {
     "adabelief": (dict(learning_rate=1e-2), lambda: optax.adabelief(1e-2)),
     "adadelta": (dict(learning_rate=1.0), lambda: optax.adadelta(1.0)),
-    "adafactor": (
-        dict(learning_rate=1e-2, min_dim_size_to_factor=2),
-        lambda: optax.adafactor(1e-2, min_dim_size_to_factor=2),
-    ),
     "adagrad": (dict(learning_rate=1e-2), lambda: optax.adagrad(1e-2)),
     "adam": (dict(learning_rate=1e-2), lambda: optax.adam(1e-2)),
     "adamax": (dict(learning_rate=1e-2), lambda: optax.adamax(1e-2)),
@@ -148,8 +143,8 @@ def test_alias_matches_raw_optax(name):
 
 def test_chain_matches_raw_optax():
     params = make_params()
-    make = lambda: (optax.clip_by_global_norm(0.5), optax.adam(1e-2))  # noqa: E731
-    opt = t5x_steps(optimizers.chain(*make()).create(params))
+    make = lambda: [optax.clip_by_global_norm(0.5), optax.adam(1e-2)]  # noqa: E731
+    opt = t5x_steps(optimizers.chain(make()).create(params))
     assert_close(opt.target, raw_optax(optax.chain(*make()), params)[0])
 
 
@@ -179,16 +174,6 @@ def test_learning_rate_override_sets_the_step_size(name):
     expected, expected_state = raw_optax(factory(0.01), params)
     assert_close(opt.target, expected)
     assert_close(opt.state.param_states, expected_state)
-
-
-def test_a_new_learning_rate_does_not_recompile():
-    params = make_params()
-    opt = optimizers.adam(learning_rate=1.0).create(params)
-    opt = opt.apply_gradient(grads_at(params, 0), learning_rate=0.1)
-    compiled = optimizers._state._compiled._cache_size()
-    for i, lr in enumerate([0.05, jnp.float32(0.02), np.float32(0.01)]):
-        opt = opt.apply_gradient(grads_at(opt.target, i), learning_rate=lr)
-    assert optimizers._state._compiled._cache_size() == compiled
 
 
 def test_learning_rate_override_inside_a_jitted_step_traces_once():
@@ -229,12 +214,12 @@ def test_a_scheduled_learning_rate_is_overridden_and_keeps_its_state():
     assert_close(t5x_steps(opt_def.create(params)).target, raw_optax(optax.adam(schedule), params)[0])
 
 
-def test_other_hyperparameters_can_be_overridden_and_unknown_ones_are_rejected():
+def test_only_the_learning_rate_is_overridden_as_in_t5x():
     params = make_params()
-    opt = t5x_steps(optimizers.adamw(learning_rate=0.01).create(params), weight_decay=0.5)
-    assert_close(opt.target, raw_optax(optax.adamw(0.01, weight_decay=0.5), params)[0])
-    with pytest.raises(TypeError, match="momentum"):
-        optimizers.adamw(learning_rate=0.01).create(params).apply_gradient(grads_at(params, 0), momentum=0.9)
+    opt = optimizers.adamw(learning_rate=0.01).create(params)
+    for name in ("weight_decay", "momentum"):
+        with pytest.raises(TypeError, match=rf"\['{name}'\].*\['learning_rate'\]"):
+            opt.apply_gradient(grads_at(params, 0), **{name: 0.5})
 
 
 def test_direct_wrapper_of_an_injected_transformation_honours_the_override():
@@ -254,10 +239,15 @@ def test_direct_wrapper_of_a_plain_transformation_warns_that_the_override_is_ign
 
 def test_update_hyper_params_replaces_or_overrides():
     opt_def = optimizers.adam(learning_rate=0.1)
+    assert opt_def.hyper_params == optimizers._OptaxWrapperHyperParams(learning_rate=None)
     assert opt_def.update_hyper_params().learning_rate is None
     assert opt_def.update_hyper_params(learning_rate=0.2).learning_rate == 0.2
-    replaced = opt_def.hyper_params.replace(b1=0.5)
-    assert opt_def.update_hyper_params(hyper_params=replaced).b1 == 0.5
+    replaced = opt_def.hyper_params.replace(learning_rate=0.3)
+    assert opt_def.update_hyper_params(hyper_params=replaced).learning_rate == 0.3
+    opt = opt_def.create(make_params())
+    by_hyper_params = opt.apply_gradient(grads_at(opt.target, 0), hyper_params=replaced)
+    by_keyword = opt.apply_gradient(grads_at(opt.target, 0), learning_rate=0.3)
+    assert_close(by_hyper_params.target, by_keyword.target)
 
 
 # -- state dicts and checkpoints ----------------------------------------------------------
@@ -292,9 +282,10 @@ def test_restore_state_names_missing_unexpected_and_misshapen_paths():
     with pytest.raises(ValueError) as err:
         opt.restore_state(sd)
     message = str(err.value)
+    assert isinstance(err.value, treeopt.serialization.StateDictError)
     assert "'state/param_states/0/nu/dense/kernel': missing" in message
     assert "'state/param_states/0/mu/extra': unexpected" in message
-    assert "'target/out/kernel': expected shape (4, 2), got (2, 2)" in message
+    assert "'target/out/kernel': expected float32[4, 2], got float64[2, 2]" in message
 
 
 def test_masked_nodes_are_dropped_and_restored():
@@ -313,7 +304,9 @@ def test_flax_serialization_writes_the_t5x_state_dict():
     params = make_params()
     opt_def = optimizers.adamw(learning_rate=1e-2)
     opt = t5x_steps(opt_def.create(params), steps=1)
-    assert set(flax.serialization.to_state_dict(opt)["state"]["param_states"]) == {"0"}
+    flax_sd = flax.serialization.to_state_dict(opt)
+    assert set(flax_sd) == {"target", "state", "checksum"}  # the state dict plus its checksum
+    assert set(flax_sd["state"]["param_states"]) == {"0"}
     data = flax.serialization.to_bytes(opt)
     restored = flax.serialization.from_bytes(opt_def.create(params), data)
     assert_close(restored, opt)
@@ -374,7 +367,7 @@ def test_adamw_logical_axes_are_shaped_as_t5x_shapes_them():
 
 def test_factored_states_get_the_reduced_specs():
     params = {"w": jnp.ones((6, 8))}
-    opt_def = optimizers.adafactor(learning_rate=1e-2, min_dim_size_to_factor=2)
+    opt_def = optimizers.wrap_optax_optimizer(optax.adafactor)(learning_rate=1e-2, min_dim_size_to_factor=2)
     axes = opt_def.derive_logical_axes(opt_def.create(params), {"w": P("embed", "mlp")})
     factored = axes.state.param_states[0]
     assert factored.count is None
@@ -385,6 +378,10 @@ def test_factored_states_get_the_reduced_specs():
     state = sm3.derive_logical_axes(sm3.create(params), {"w": P("embed", "mlp")}).state.param_states[0]
     assert state.mu == {"w": [P("embed"), P("mlp")]}
     assert state.nu == {"w": P("embed", "mlp")}
+    # A square param: only the per-dimension layout tells which vector is which axis.
+    square = {"w": jnp.ones((8, 8))}
+    state = sm3.derive_logical_axes(sm3.create(square), {"w": P("embed", "mlp")}).state.param_states[0]
+    assert state.mu == {"w": [P("embed"), P("mlp")]}
 
 
 def test_params_without_axes_get_none():
@@ -407,8 +404,6 @@ def _parity_transformations():
 @pytest.mark.parametrize("name", sorted(_parity_transformations()))
 def test_logical_axes_derive_for_every_core_parity_transformation(name):
     tx = _parity_transformations()[name]()
-    if isinstance(tx, optax.MultiSteps):
-        tx = tx.gradient_transformation()
     params = make_params()
     opt_def = optimizers.OptaxWrapper(tx)
     opt = jax.eval_shape(opt_def.create, params)
@@ -459,7 +454,7 @@ def test_multi_optimizer_of_optax_wrappers_matches_raw_optax_per_subset():
     params = make_params()
     kernels_t, biases_t = kernels_and_biases()
     opt_def = optimizers.MultiOptimizer(
-        (kernels_t, optimizers.adam(learning_rate=0.01)), (biases_t, optimizers.adam(learning_rate=0.1))
+        [(kernels_t, optimizers.adam(learning_rate=0.01)), (biases_t, optimizers.adam(learning_rate=0.1))]
     )
     opt = t5x_steps(opt_def.create(params))
     kernels, biases = _kernels_and_biases(params)
@@ -490,16 +485,20 @@ def test_multi_optimizer_overrides_per_sub_optimizer_and_skips_unselected_params
 def test_multi_optimizer_overlap_raises_naming_the_params():
     everything = traverse_util.ModelParamTraversal(lambda path, _: True)
     opt_def = optimizers.MultiOptimizer(
-        (kernels_and_biases()[0], optimizers.sgd(learning_rate=0.1)),
-        (everything, optimizers.sgd(learning_rate=0.1)),
+        [
+            (kernels_and_biases()[0], optimizers.sgd(learning_rate=0.1)),
+            (everything, optimizers.sgd(learning_rate=0.1)),
+        ]
     )
-    with pytest.raises(ValueError, match=r"overlap: 'dense/kernel' \(traversals \[0, 1\]\)"):
+    with pytest.raises(ValueError, match=r"same leaves: 'dense/kernel' \(traversals \[0, 1\]\)"):
         opt_def.create(make_params())
 
 
 def test_multi_optimizer_rejects_what_is_not_a_traversal_pair():
-    with pytest.raises(TypeError, match="argument 0 must be a"):
-        optimizers.MultiOptimizer(("kernel", optimizers.sgd(learning_rate=0.1)))
+    with pytest.raises(TypeError, match=r"entry 0 is \('kernel'"):
+        optimizers.MultiOptimizer([("kernel", optimizers.sgd(learning_rate=0.1))])
+    with pytest.raises(TypeError):  # T5X's signature: one sequence of pairs
+        optimizers.MultiOptimizer(*[(kernels_and_biases()[0], optimizers.sgd(learning_rate=0.1))] * 2)
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -507,8 +506,10 @@ def test_multi_optimizer_state_dict_round_trip_and_logical_axes():
     params = make_params()
     kernels_t, biases_t = kernels_and_biases()
     opt_def = optimizers.MultiOptimizer(
-        (kernels_t, optimizers.adamw(learning_rate=0.01)),
-        (biases_t, optimizers.sgd(learning_rate=0.1, momentum=0.9)),
+        [
+            (kernels_t, optimizers.adamw(learning_rate=0.01)),
+            (biases_t, optimizers.sgd(learning_rate=0.1, momentum=0.9)),
+        ]
     )
     opt = t5x_steps(opt_def.create(params), steps=2)
     sd = opt.state_dict()
@@ -524,14 +525,7 @@ def test_multi_optimizer_state_dict_round_trip_and_logical_axes():
     assert axes.state.step is None and axes.target == AXES
     assert axes.state.param_states[0][0] == optax.ScaleByAdamState(None, kernel_axes, kernel_axes)
     assert axes.state.param_states[1][0].trace == {"dense": {"bias": P("mlp")}}
-    opt_def.set_param_axes(AXES)  # no factor rules here: a no-op that must not fail
-
-
-def test_t5x_module_and_package_expose_the_same_names():
-    for name in optimizers.__all__:
-        assert getattr(t5x_optimizers, name) is getattr(optimizers, name)
-    assert optimizers.OptimizerDefType is optimizers.OptimizerDef
-    assert optimizers.OptimizerType is optimizers.Optimizer
+    opt_def.set_param_axes(AXES)  # no sub-optimizer takes axes here: a no-op that must not fail
 
 
 def test_optax_wrapper_needs_a_transformation():
@@ -549,23 +543,28 @@ def test_rng_keys_are_written_as_key_data_and_restored_as_keys():
     assert_close(t5x_steps(restored, steps=1).target, t5x_steps(opt, steps=1).target)
 
 
-def test_a_flax_optim_style_definition_works_and_derives_axes():
+def test_a_t5x_style_definition_of_your_own_works():
     @flax.struct.dataclass
     class HyperParams:
         learning_rate: float
         beta: float
 
     class Momentum(optimizers.OptimizerDef):
-        def init_param_state(self, param):
-            return {"trace": jnp.zeros_like(param), "scalar": jnp.zeros(())}
+        def init_state(self, params):
+            return optimizers.OptimizerState(jnp.asarray(0), jax.tree.map(jnp.zeros_like, params))
 
-        def apply_param_gradient(self, step, hyper_params, param, state, grad):
-            trace = hyper_params.beta * state["trace"] + grad
-            return param - hyper_params.learning_rate * trace, {"trace": trace, "scalar": state["scalar"]}
+        def apply_gradient(self, hyper_params, params, state, grads):
+            traces = jax.tree.map(lambda t, g: hyper_params.beta * t + g, state.param_states, grads)
+            new = jax.tree.map(lambda p, t: p - hyper_params.learning_rate * t, params, traces)
+            return new, optimizers.OptimizerState(state.step + 1, traces)
 
     params = make_params()
     opt_def = Momentum(HyperParams(0.1, 0.9))
     opt = t5x_steps(opt_def.create(params), learning_rate=0.01)
     assert_close(opt.target, raw_optax(optax.sgd(0.01, momentum=0.9), params)[0])
-    axes = opt_def.derive_logical_axes(opt, AXES).state.param_states
-    assert axes["dense"]["kernel"] == {"trace": P("embed", "mlp"), "scalar": P()}
+    restored = opt_def.create(params).restore_state(opt.state_dict())
+    assert_close(restored, opt)
+    with pytest.raises(TypeError):  # not a field of its hyper params, as with T5X
+        opt.apply_gradient(grads_at(params, 0), momentum=0.5)
+    # T5X's base class: no axes or factor-rule hooks unless a definition has them.
+    assert not hasattr(opt_def, "derive_logical_axes") and not hasattr(opt_def, "set_param_axes")

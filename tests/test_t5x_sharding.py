@@ -92,7 +92,7 @@ def test_adamw_state_is_sharded_like_its_params_and_matches_unsharded():
 
 def test_factored_optax_statistics_are_sharded_not_replicated():
     the_mesh = mesh()
-    opt_def = optimizers.adafactor(learning_rate=1.0, min_dim_size_to_factor=4)
+    opt_def = optimizers.wrap_optax_optimizer(optax.adafactor)(learning_rate=1.0, min_dim_size_to_factor=4)
     opt, _, plain = run(opt_def, PARAMS, AXES, the_mesh)
     factored = opt.state.param_states[0]
     # wi (8, 12) with (embed, mlp): v_row keeps embed, v_col keeps mlp.
@@ -108,14 +108,16 @@ def test_multi_optimizer_runs_sharded():
 
     the_mesh = mesh()
     opt_def = optimizers.MultiOptimizer(
-        (
-            traverse_util.ModelParamTraversal(lambda path, _: "mlp" in path),
-            optimizers.adam(learning_rate=1.0),
-        ),
-        (
-            traverse_util.ModelParamTraversal(lambda path, _: "embed" in path),
-            optimizers.sgd(learning_rate=1.0),
-        ),
+        [
+            (
+                traverse_util.ModelParamTraversal(lambda path, _: "mlp" in path),
+                optimizers.adam(learning_rate=1.0),
+            ),
+            (
+                traverse_util.ModelParamTraversal(lambda path, _: "embed" in path),
+                optimizers.sgd(learning_rate=1.0),
+            ),
+        ]
     )
     opt, _, plain = run(opt_def, PARAMS, AXES, the_mesh)
     assert opt.state.param_states[0][0].mu["mlp"]["wi"].sharding.spec == P("data", "model")
@@ -133,7 +135,7 @@ def test_a_state_type_t5x_has_no_rule_for_derives_and_runs_sharded():
 
 
 def test_legacy_adafactor_factored_statistics_are_split_across_devices():
-    from treeopt.t5x import Adafactor, standard_logical_factor_rules
+    from treeopt.t5x.adafactor import Adafactor, standard_logical_factor_rules
 
     the_mesh = mesh()
     params = {
@@ -152,5 +154,6 @@ def test_legacy_adafactor_factored_statistics_are_split_across_devices():
     assert wi.m.sharding.spec == P(None, "data", "model")
     assert wi.v.sharding.spec == P()  # the (1,) placeholder
     embedding = opt.state.param_states["embed"]["embedding"]
-    assert embedding.v_row.sharding.spec == P("data")  # (vocab, embed) -> v_row over embed
+    # A rank-2 param without a BATCH axis: T5X's size heuristic leaves it unfactored here.
+    assert embedding.v.sharding.spec == P(None, "data") and embedding.v_row.shape == (1,)
     assert_close(opt, plain)

@@ -1,16 +1,19 @@
-"""Plumbing shared by the T5X surface: state reshaping, T5X state dicts, one-program eager steps.
+"""State dicts of the T5X surface: T5X's layout, checked restores, and a checksum for flax bytes.
 
-treeopt keeps an optax state over the flat dict ``{name: param}``; T5X shows
-and checkpoints the same state shaped like the target (``mu`` is a nested
-dict like the params). The two differ only inside the params-shaped dicts, so
-converting is a matter of finding those dicts (their keys are exactly the
-trainable names) and nesting/flattening them with the target's layout.
+T5X writes ``{"target": ..., "state": {"step": ..., "param_states": ...}}``
+with ``flax.serialization.to_state_dict`` and, for optax states, leaves out
+the empty dicts of ``optax.EmptyState``/``optax.MaskedNode``. :func:`restore`
+reads that layout back into a template (putting the empty entries back) and
+refuses what would load wrongly or silently: missing or unexpected entries,
+shape mismatches, a value of another kind (an integer where a float is
+expected), ``None`` where a value is expected, strings. All such paths are
+listed in one :class:`treeopt.serialization.StateDictError`.
 """
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Mapping
+import hashlib
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import flax.serialization
@@ -18,97 +21,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from treeopt.layout import ParamLayout
-from treeopt.optimizer import Optimizer as CoreOptimizer
+from treeopt.serialization import StateDictError
 
-# -- flat named state <-> target-shaped state -----------------------------------------
+CHECKSUM_KEY = "checksum"
+"""Top-level key of the checksum that ``flax.serialization.to_state_dict`` adds to an Optimizer's state dict."""
 
-
-def flatten(tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> tuple[list[Any], Any]:
-    """``jax.tree.flatten`` with the treedef typed loosely (``flatten_up_to``/``unflatten`` are used)."""
-    leaves, treedef = jax.tree.flatten(tree, is_leaf=is_leaf)
-    return leaves, treedef
-
-
-def structure(tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> Any:
-    """``jax.tree.structure``, typed loosely."""
-    return jax.tree.structure(tree, is_leaf=is_leaf)
-
-
-def _named_dict(layout: ParamLayout) -> Callable[[Any], bool]:
-    names = frozenset(layout.names)
-    return lambda x: bool(names) and isinstance(x, dict) and len(x) == len(names) and x.keys() == names
-
-
-def nest(flat: Mapping[str, Any], layout: ParamLayout) -> Any:
-    """``{name: value}`` placed at the params' positions; untrained positions hold ``None``."""
-    leaves: list[Any] = [None] * len(layout.all_names)
-    for name, i in zip(layout.names, layout.index, strict=True):
-        leaves[i] = flat[name]
-    return layout.treedef.unflatten(leaves)
-
-
-def unnest(tree: Any, layout: ParamLayout) -> dict[str, Any]:
-    """The inverse of :func:`nest`: a target-shaped tree back to ``{name: value}``."""
-    at = layout.treedef.flatten_up_to(tree)
-    return {name: at[i] for name, i in zip(layout.names, layout.index, strict=True)}
-
-
-def to_target_shape(flat_state: Any, layout: ParamLayout, leaf: Callable[[Any], Any] | None = None) -> Any:
-    """The optax state over ``{name: param}`` with every params-shaped dict nested like the target.
-
-    ``leaf`` (optional) maps the leaves outside the params-shaped dicts.
-    """
-    is_named = _named_dict(layout)
-
-    def convert(x: Any) -> Any:
-        if is_named(x):
-            return nest(x, layout)
-        return x if leaf is None else leaf(x)
-
-    return jax.tree.map(convert, flat_state, is_leaf=is_named)
-
-
-def to_flat(state: Any, layout: ParamLayout, template: Any) -> Any:
-    """The inverse of :func:`to_target_shape`; ``template`` is a flat state of the same transformation."""
-    is_named = _named_dict(layout)
-    entries, treedef = flatten(template, is_leaf=is_named)
-    try:
-        parts = treedef.flatten_up_to(state)
-    except (ValueError, TypeError) as err:
-        raise ValueError(
-            "param_states does not have the structure this optimizer's optax state has for "
-            f"these params: {err}"
-        ) from None
-    out = [
-        unnest(part, layout) if is_named(entry) else part for entry, part in zip(entries, parts, strict=True)
-    ]
-    return treedef.unflatten(out)
-
-
-@functools.lru_cache(maxsize=256)
-def flat_template(tx: Any, layout: ParamLayout) -> Any:
-    """The abstract optax state of ``tx`` over the flat params of ``layout`` (structure only)."""
-    avals = {
-        name: jax.ShapeDtypeStruct(shape, dtype)
-        for name, (shape, dtype) in zip(layout.names, layout.avals, strict=True)
-    }
-    return jax.eval_shape(tx.init, avals)
-
-
-def specs_engine() -> Any:
-    """The core's partition-spec engine (``treeopt._specs``), imported when logical axes are derived."""
-    from treeopt import _specs
-
-    return _specs
-
-
-def core_optimizer(tx: Any, layout: ParamLayout, step: Any, opt_state: Any) -> CoreOptimizer:
-    """A :class:`treeopt.Optimizer` holding ``step`` and the flat ``opt_state`` for ``layout``."""
-    return CoreOptimizer._tree_unflatten((tx, None, layout, False), (step, opt_state))
-
-
-# -- T5X state dicts -----------------------------------------------------------------
+# -- writing --------------------------------------------------------------------------
 
 
 def drop_empty_dicts(tree: Any) -> Any:
@@ -127,42 +45,6 @@ def drop_empty_dicts(tree: Any) -> Any:
             continue
         out[key] = value
     return out
-
-
-def _has_data(tree: Any) -> bool:
-    if isinstance(tree, dict):
-        return any(_has_data(v) for v in tree.values())
-    return tree is not None
-
-
-def _leaf_paths(tree: Any, prefix: str) -> list[str]:
-    if isinstance(tree, dict):
-        return [p for k, v in tree.items() for p in _leaf_paths(v, f"{prefix}/{k}")]
-    return [prefix] if tree is not None else []
-
-
-def _fill(template: Any, given: Any, path: str, problems: list[str]) -> Any:
-    """``given`` with the empty entries of ``template`` put back; problems collected by path."""
-    if isinstance(template, dict):
-        if not isinstance(given, Mapping):
-            problems.append(f"'{path}': expected a dict of entries, got {type(given).__name__}")
-            return given
-        out = {}
-        for key, sub in template.items():
-            key = str(key)
-            if key in given:
-                out[key] = _fill(sub, given[key], f"{path}/{key}", problems)
-            elif _has_data(sub):
-                problems.extend(f"'{p}': missing" for p in _leaf_paths(sub, f"{path}/{key}"))
-            else:
-                out[key] = sub
-        extra = sorted(str(k) for k in given if str(k) not in {str(k2) for k2 in template})
-        problems.extend(f"'{path}/{key}': unexpected" for key in extra)
-        return out
-    t_shape, g_shape = getattr(template, "shape", None), getattr(given, "shape", None)
-    if t_shape is not None and g_shape is not None and tuple(t_shape) != tuple(g_shape):
-        problems.append(f"'{path}': expected shape {tuple(t_shape)}, got {tuple(g_shape)}")
-    return given
 
 
 def _is_key(x: Any) -> bool:
@@ -195,20 +77,140 @@ def to_state_dict(tree: Any) -> Any:
     return jax.tree.map(_key_data, flax.serialization.to_state_dict(tree))
 
 
+# -- checked restore ----------------------------------------------------------------------
+
+
+def _kind(dtype: Any) -> str:
+    """The class of values a dtype holds: what a restore may not change."""
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        return "PRNG key"
+    if dtype == np.bool_:
+        return "bool"
+    if jnp.issubdtype(dtype, jnp.integer):
+        return "integer"
+    if jnp.issubdtype(dtype, jnp.floating):
+        return "float"
+    if jnp.issubdtype(dtype, jnp.complexfloating):
+        return "complex"
+    return "other"
+
+
+def _describe(x: Any) -> str:
+    if x is None:
+        return "None"
+    if isinstance(x, (str, bytes)):
+        return f"the string {x!r}"[:60]
+    dtype = getattr(x, "dtype", None)
+    if dtype is not None and hasattr(x, "shape"):
+        return f"{np.dtype(dtype).name}{list(x.shape)}"
+    return type(x).__name__
+
+
+def _value_kind(x: Any) -> tuple[str, tuple[int, ...]] | None:
+    """``(kind, shape)`` of a restorable value, or None for what is not one (strings, objects)."""
+    if isinstance(x, bool):
+        return "bool", ()
+    if isinstance(x, int):
+        return "integer", ()
+    if isinstance(x, float):
+        return "float", ()
+    if isinstance(x, complex):
+        return "complex", ()
+    dtype, shape = getattr(x, "dtype", None), getattr(x, "shape", None)
+    if dtype is None or shape is None:
+        return None
+    try:
+        kind = _kind(dtype)
+    except TypeError:
+        return None
+    return (None if kind == "other" else kind, tuple(shape))  # type: ignore[return-value]
+
+
+def _check_leaf(template: Any, given: Any, path: str, problems: list[str]) -> None:
+    expected = _value_kind(template)
+    if expected is None:
+        if template is None and given is not None:
+            problems.append(f"'{path}': expected no value (None), got {_describe(given)}")
+        return  # a template leaf that is no array (an object the state holds as is)
+    kind, shape = expected
+    got = _value_kind(given)
+    if got is None or got[0] is None:
+        problems.append(f"'{path}': expected {_describe(template)} ({kind}), got {_describe(given)}")
+        return
+    if got[0] != kind:
+        problems.append(
+            f"'{path}': expected {_describe(template)} ({kind}), got {_describe(given)} ({got[0]})"
+        )
+    elif got[1] != shape:
+        problems.append(f"'{path}': expected {_describe(template)}, got {_describe(given)}")
+
+
+def _has_data(tree: Any) -> bool:
+    if isinstance(tree, dict):
+        return any(_has_data(v) for v in tree.values())
+    return tree is not None
+
+
+def _leaf_paths(tree: Any, prefix: str) -> list[str]:
+    if isinstance(tree, dict):
+        return [p for k, v in tree.items() for p in _leaf_paths(v, f"{prefix}/{k}")]
+    return [prefix] if tree is not None else []
+
+
+def _fill(template: Any, given: Any, path: str, problems: list[str]) -> Any:
+    """``given`` with the empty entries of ``template`` put back; problems collected by path."""
+    if isinstance(template, dict):
+        if not isinstance(given, Mapping):
+            if _has_data(template) or given is not None:
+                problems.append(f"'{path}': expected a dict of entries, got {_describe(given)}")
+            return template if given is None else given
+        names = {str(k) for k in template}
+        out = {}
+        for key, sub in template.items():
+            key = str(key)
+            if key in given:
+                out[key] = _fill(sub, given[key], f"{path}/{key}", problems)
+            elif _has_data(sub):
+                problems.extend(f"'{p}': missing" for p in _leaf_paths(sub, f"{path}/{key}"))
+            else:
+                out[key] = sub
+        problems.extend(
+            f"'{path}/{key}': unexpected" for key in sorted(str(k) for k in given) if key not in names
+        )
+        return out
+    _check_leaf(template, given, path, problems)
+    return given
+
+
 def restore(*entries: tuple[Any, Any, str]) -> list[Any]:
     """Each ``(template, state_dict, path)``: the template with its values from the state dict.
 
-    ``template`` is any pytree with flax serialization. Empty entries that T5X
-    drops when writing (``optax.EmptyState``, ``optax.MaskedNode``) are put
-    back. Every missing real entry, unexpected entry and shape mismatch of all
-    the entries is listed, by path, in one ``ValueError``.
+    ``template`` is any pytree with flax serialization (concrete or from
+    ``jax.eval_shape``). Empty entries T5X drops when writing
+    (``optax.EmptyState``, ``optax.MaskedNode``) are put back. Values are kept
+    as given (T5X's ``from_state_dict``), after checking each against the
+    template: every missing entry, unexpected entry, shape mismatch, value of
+    another kind (integer for float, ``None``, a string) of all the entries is
+    listed, by path, in one :class:`~treeopt.serialization.StateDictError`.
+
+    Example:
+        >>> import numpy as np
+        >>> restore(({"w": np.zeros(2, np.float32)}, {"w": np.ones(2, np.float32)}, "target"))
+        [{'w': array([1., 1.], dtype=float32)}]
+        >>> from treeopt.serialization import StateDictError
+        >>> try:
+        ...     restore(({"w": np.zeros(2, np.float32)}, {"w": np.ones(2, np.int32)}, "target"))
+        ... except StateDictError as e:
+        ...     print(e)
+        The state dict does not match this optimizer at 1 path(s):
+          'target/w': expected float32[2] (float), got int32[2] (integer)
     """
     problems: list[str] = []
-    filled = [
-        _fill(to_state_dict(template), state_dict, path, problems) for template, state_dict, path in entries
-    ]
+    filled = []
+    for template, state_dict, path in entries:
+        filled.append(_fill(to_state_dict(template), state_dict, path, problems))
     if problems:
-        raise ValueError(
+        raise StateDictError(
             f"The state dict does not match this optimizer at {len(problems)} path(s):\n  "
             + "\n  ".join(problems)
         )
@@ -218,72 +220,102 @@ def restore(*entries: tuple[Any, Any, str]) -> list[Any]:
     return [jax.tree.map(_wrap_key, t, r) for (t, _, _), r in zip(entries, restored, strict=True)]
 
 
-# -- eager steps as one compiled program ------------------------------------------------
+# -- checksum of flax bytes -------------------------------------------------------------------
 
 
-def _is_dynamic(x: Any) -> bool:
-    if isinstance(x, bool):
-        return False
-    return isinstance(x, (int, float, complex, np.ndarray, np.generic, jax.Array))
+def _records(tree: Any, path: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], Any]]:
+    if isinstance(tree, Mapping):
+        if not tree:
+            yield path, {}
+        for key in sorted(tree, key=str):
+            yield from _records(tree[key], (*path, str(key)))
+    else:
+        yield path, tree
 
 
-class _Static:
-    """Hashable holder of the non-array leaves of the hyper params (part of the compile key)."""
+def checksum(state_dict: Mapping[str, Any]) -> np.ndarray:
+    """A ``uint32[4]`` digest (SHA-256, truncated) of a state dict's paths, dtypes, shapes and values.
 
-    __slots__ = ("items",)
+    The same for the state dict an optimizer writes and the one msgpack reads
+    back (jax or numpy arrays, host or device).
 
-    def __init__(self, items: tuple[Any, ...]):
-        self.items = items
-
-    def __hash__(self) -> int:
-        return hash(self.items)
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _Static) and self.items == other.items
-
-
-@functools.partial(jax.jit, static_argnums=(0, 1, 2))
-def _compiled(
-    method: Callable[..., Any], treedef: Any, static: _Static, dynamic: list[Any], *args: Any
-) -> Any:
-    values = iter(dynamic)
-    leaves = [next(values) if is_dyn else value for is_dyn, value in static.items]
-    return method(treedef.unflatten(leaves), *args)
-
-
-def call_compiled(method: Callable[..., Any], hyper_params: Any, *args: Any) -> Any:
-    """``method(hyper_params, *args)``, compiled once per optimizer and hyper-params structure.
-
-    Numeric hyper params (a learning rate) are arguments of the program, so
-    changing them never recompiles; other leaves (flags, rules) are part of its
-    key. Inside a trace the call is traced like any other function; if the
-    hyper params hold something unhashable the call runs as is.
+    Example:
+        >>> import numpy as np, jax.numpy as jnp
+        >>> a = checksum({"w": jnp.arange(3.0), "step": 1})
+        >>> b = checksum({"step": 1, "w": np.arange(3.0, dtype=np.float32)})
+        >>> bool((a == b).all()), a.dtype.name, a.shape
+        (True, 'uint32', (4,))
     """
-    leaves, treedef = flatten(hyper_params)
-    items = tuple((True, None) if _is_dynamic(x) else (False, x) for x in leaves)
-    # Python and numpy numbers as (strongly typed) jax arrays: 0.1, np.float32(0.1) and
-    # jnp.float32(0.1) then share one program and one dispatch entry.
-    dynamic = [
-        x if isinstance(x, jax.Array) else jnp.asarray(np.asarray(x)) for x in leaves if _is_dynamic(x)
-    ]
-    static = _Static(items)
+    digest = hashlib.sha256()
+    for path, leaf in _records(state_dict):
+        digest.update(repr(path).encode())
+        if leaf is None or isinstance(leaf, (bool, int, float, complex, str, bytes, dict)):
+            digest.update(f"{type(leaf).__name__}:{leaf!r}".encode())
+            continue
+        array = np.asarray(leaf)
+        digest.update(f"{array.dtype.name}{list(array.shape)}".encode())
+        digest.update(np.ascontiguousarray(array).tobytes())
+    return np.frombuffer(digest.digest()[:16], dtype=np.uint32).copy()
+
+
+def with_checksum(state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """``state_dict`` with a top-level ``"checksum"`` of its contents added.
+
+    Example:
+        >>> sorted(with_checksum({"target": {}, "state": {"step": 0}}))
+        ['checksum', 'state', 'target']
+    """
+    return {**state_dict, CHECKSUM_KEY: checksum(state_dict)}
+
+
+def verify_checksum(state_dict: Mapping[str, Any], allowed: tuple[str, ...]) -> dict[str, Any]:
+    """``state_dict`` without its checksum, which must match its contents (if it has one).
+
+    Top-level keys other than ``allowed`` (and the checksum) are refused: a
+    corrupted key would otherwise be ignored.
+
+    Example:
+        >>> sd = with_checksum({"target": {"w": 1.0}, "state": {"step": 0}})
+        >>> sorted(verify_checksum(sd, ("target", "state")))
+        ['state', 'target']
+        >>> sd["state"]["step"] = 1
+        >>> from treeopt.serialization import StateDictError
+        >>> try:
+        ...     verify_checksum(sd, ("target", "state"))
+        ... except StateDictError as e:
+        ...     print(str(e).split(":")[0])
+        The optimizer's checksum does not match its data
+    """
+    if not isinstance(state_dict, Mapping):
+        raise StateDictError(f"Expected the optimizer's state dict (a dict), got {_describe(state_dict)}.")
+    unknown = sorted(str(k) for k in state_dict if k not in (*allowed, CHECKSUM_KEY))
+    if unknown:
+        raise StateDictError(
+            f"The optimizer's state dict has unexpected top-level entries {unknown}; "
+            f"expected {list(allowed)} (and '{CHECKSUM_KEY}')."
+        )
+    rest = {k: v for k, v in state_dict.items() if k != CHECKSUM_KEY}
+    if CHECKSUM_KEY not in state_dict:
+        return rest
     try:
-        hash((method, treedef, static))
-    except TypeError:
-        return method(hyper_params, *args)
-    return _compiled(method, treedef, static, dynamic, *args)
+        stored = np.asarray(state_dict[CHECKSUM_KEY]).astype(np.uint32, casting="safe").reshape(-1).tolist()
+    except (TypeError, ValueError):
+        stored = None
+    if stored != checksum(rest).tolist():
+        raise StateDictError(
+            "The optimizer's checksum does not match its data: it is corrupted (or was edited "
+            f"after it was saved). To load a deliberately edited state dict, delete its "
+            f"'{CHECKSUM_KEY}' entry first."
+        )
+    return rest
 
 
 __all__ = [
-    "call_compiled",
-    "core_optimizer",
+    "CHECKSUM_KEY",
+    "checksum",
     "drop_empty_dicts",
-    "flat_template",
-    "nest",
     "restore",
-    "specs_engine",
     "to_state_dict",
-    "to_flat",
-    "to_target_shape",
-    "unnest",
+    "verify_checksum",
+    "with_checksum",
 ]
