@@ -54,7 +54,11 @@ def _public_modules() -> list[types.ModuleType]:
 
 
 def _documentable(obj: Any) -> bool:
-    return inspect.isclass(obj) or inspect.isfunction(obj) or inspect.ismodule(obj)
+    if inspect.ismodule(obj):
+        return True
+    # Names of other libraries kept for a drop-in's sake (T5X's ``Dtype = Any``) are theirs to document.
+    own = getattr(obj, "__module__", "").startswith("treeopt")
+    return own and (inspect.isclass(obj) or inspect.isfunction(obj))
 
 
 def _public_objects() -> dict[str, Any]:

@@ -53,7 +53,13 @@ Entry = Any  # one PartitionSpec entry: None, a mesh/logical axis name, a tuple 
 
 
 def is_spec(x: Any) -> bool:
-    """A leaf of a spec tree: a ``PartitionSpec`` or ``None``."""
+    """A leaf of a spec tree: a ``PartitionSpec`` or ``None``.
+
+    Example:
+        >>> from jax.sharding import PartitionSpec as P
+        >>> is_spec(P("data")), is_spec(None), is_spec(("data",))
+        (True, True, False)
+    """
     return x is None or isinstance(x, PartitionSpec)
 
 
