@@ -539,7 +539,7 @@ class Optimizer:
         if self._lookahead:
             return dict(extra_args)
         structures = {layout.treedef, jax.tree.structure(grads)}
-        out = {}
+        out: dict[str, Any] = {}
         for key, value in extra_args.items():
             if _shaped_like_params(key, value, layout, structures):  # before callables: a Module is one
                 out[key] = layout.split_grads(value)[0]
