@@ -571,7 +571,8 @@ class Adafactor(OptimizerDef):
         _check_learning_rate(hyper_params)
         if type(self).apply_param_gradient is not Adafactor.apply_param_gradient:
             # A subclass's own per-parameter rule runs as T5X runs it: one call per parameter.
-            grad_leaves = _clip_global_norm(hyper_params.global_norm_clip_threshold, grad_leaves)
+            if _truthy(hyper_params.global_norm_clip_threshold):
+                grad_leaves = _clip_global_norm(hyper_params.global_norm_clip_threshold, grad_leaves)
             out = [
                 self.apply_param_gradient(state.step, hyper_params, p, s, g, n)
                 for p, s, g, n in zip(leaves, states, grad_leaves, names, strict=True)
@@ -792,8 +793,6 @@ def _leaves_like(treedef: Any, names: list[str], tree: Any, is_leaf: Any) -> lis
 
 
 def _clip_global_norm(threshold: Any, grads: list[Any]) -> list[Any]:
-    if not _truthy(threshold):
-        return grads
     norm = jnp.sqrt(jnp.sum(jnp.array([jnp.sum(jnp.square(g)) for g in grads])))
     scale = threshold * jnp.minimum(1.0 / threshold, 1.0 / norm)
     return [g * scale for g in grads]
