@@ -267,11 +267,12 @@ def checked_value(key: str, old: Any, value: Any) -> jax.Array:
 
     # Always a new buffer (copy=True): the caller keeps its array, even when the
     # optimizer's state is donated.
-    if isinstance(value, jax.Array):
+    if host is not None:
+        # A host-to-device transfer makes the new buffer: unlike an on-device copy,
+        # it compiles no program, so setting a value never shows up as a compile.
+        new = jax.device_put(np.array(host, dtype=target))
+    else:  # traced, or spread over other processes' devices
         new = jnp.array(value, dtype=target, copy=True)
-    else:  # cast on the host, as checked above
-        assert host is not None
-        new = jnp.array(host.astype(target), copy=True)
     if shape and new.shape != shape:
         new = jnp.broadcast_to(new, shape)
     if weak and target == dtype:
