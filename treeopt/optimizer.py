@@ -671,7 +671,13 @@ class Optimizer:
 
     # -- partitioning (partition_specs) --------------------------------------------
 
-    def partition_specs(self, param_specs: Any) -> Optimizer:
+    def partition_specs(
+        self,
+        param_specs: Any,
+        *,
+        shard_state_over: str | Sequence[str] | None = None,
+        mesh: jax.sharding.Mesh | None = None,
+    ) -> Optimizer:
         """A ``PartitionSpec`` for every leaf of this optimizer, from the params' specs.
 
         Works for any optax transformation, with no table of state types: a
@@ -681,29 +687,50 @@ class Optimizer:
         hyperparameters and ``(1,)`` placeholders get ``P()``. Also works on an
         abstract optimizer from ``jax.eval_shape(opt.init, params)``.
 
+        With ``shard_state_over`` (ZeRO-1) every floating-point state leaf that
+        belongs to a parameter also gets those mesh axes, on its largest
+        dimension that is not sharded yet and that their size divides; a leaf
+        that already uses them (FSDP), or has no such dimension, keeps its spec.
+        :func:`treeopt.partitioning.zero_report` lists what was split and why
+        the rest was not.
+
         Args:
             param_specs: a tree shaped like the params given to ``init`` (or the
                 flat ``{name: spec}`` dict), with a ``PartitionSpec`` (mesh axes or
                 logical axis names) or ``None`` (replicated) at each parameter.
+            shard_state_over: a mesh axis name, or a tuple of them, to split the
+                state over as well (the data-parallel axis); ``None`` (the
+                default) lays the state out exactly like the params.
+            mesh: the ``jax.sharding.Mesh``; needed with ``shard_state_over``
+                (its axis sizes decide what divides). When given, the specs'
+                axes are checked against it.
 
         Returns:
             An Optimizer-shaped tree (same static data) whose leaves are
             ``PartitionSpec``s: ``P()`` for ``step``, then one per state leaf.
             Use it (or :func:`treeopt.partitioning.named_shardings` of it) as
-            ``in_shardings``/``out_shardings`` of ``jax.jit``.
+            ``in_shardings``/``out_shardings`` of ``jax.jit``, for this optimizer
+            (or one over the same ``tx`` object: jit compares the static data).
 
         Example:
-            >>> import jax.numpy as jnp, optax, treeopt
-            >>> from jax.sharding import PartitionSpec as P
+            >>> import jax, jax.numpy as jnp, numpy as np, optax, treeopt
+            >>> from jax.sharding import Mesh, PartitionSpec as P
             >>> params = {"dense": {"kernel": jnp.ones((4, 8)), "bias": jnp.zeros(8)}}
             >>> opt = treeopt.Optimizer(optax.adafactor(1e-2, min_dim_size_to_factor=2)).init(params)
             >>> specs = opt.partition_specs({"dense": {"kernel": P("data", "model"), "bias": P("model")}})
             >>> tuple(specs.opt_state[0].v_row["dense/kernel"]), tuple(specs.opt_state[0].v_col["dense/kernel"])
             (('data',), ('model',))
+            >>> mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
+            >>> opt = treeopt.Optimizer(optax.adam(1e-3)).init(params)
+            >>> zero = opt.partition_specs({"dense": {"kernel": P(None, "model"), "bias": P()}},
+            ...                            shard_state_over="data", mesh=mesh)
+            >>> zero.opt_state[0].mu["dense/kernel"], zero.opt_state[0].mu["dense/bias"], zero.opt_state[0].count
+            (P('data', 'model'), P('data',), P())
         """
         layout = self._require_layout()
-        flat = _specs.flat_param_specs(param_specs, layout)
-        state = _specs.state_specs(self.opt_state, layout, flat)
+        state = _specs.optimizer_state_specs(
+            self.opt_state, layout, param_specs, shard_state_over=shard_state_over, mesh=mesh
+        )
         return Optimizer._tree_unflatten(
             (self.tx, self.wrt, layout, self._lookahead), (jax.sharding.PartitionSpec(), state)
         )
