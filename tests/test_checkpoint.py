@@ -94,11 +94,18 @@ def test_params_are_stored_by_name_and_restore_into_another_container(tmp_path):
 
 
 def test_save_refuses_to_overwrite_unless_forced(tmp_path):
-    _, opt = trained("sgd")
+    params, opt = trained("sgd")
     ser.save(tmp_path / "c", opt)
     with pytest.raises(Exception, match="exists"):  # orbax's own error
         ser.save(tmp_path / "c", opt)
-    ser.save(tmp_path / "c", opt, force=True)
+    newer = opt.load_state_dict({**opt.state_dict(), "step": 7})
+    ser.save(tmp_path / "c", newer, params, force=True)
+    restored, _ = ser.restore(tmp_path / "c", fresh("sgd"), params=params)
+    assert int(restored.step) == 7
+    assert os.listdir(tmp_path) == ["c"]  # nothing left beside it
+    ser.save(tmp_path / "new" / "d", opt, force=True)  # forced, where nothing exists yet
+    assert_same_state(ser.restore(tmp_path / "new" / "d", fresh("sgd")), opt)
+    assert os.listdir(tmp_path / "new") == ["d"]
 
 
 def test_missing_directory(tmp_path):
@@ -123,6 +130,7 @@ def test_checkpoint_manager_keeps_the_latest_steps(tmp_path):
             states[step] = as_numpy(opt)
         manager.wait_until_finished()
         assert list(manager.all_steps()) == [3, 4] and manager.latest_step() == 4
+    assert sorted(os.listdir(tmp_path)) == ["3", "4"]  # the dropped steps are gone from the disk
 
     manager = ser.CheckpointManager(tmp_path, max_to_keep=2)  # a fresh process would do this
     latest, latest_params = manager.restore(abstract("adam"), params=abstract_params("adam"))
@@ -138,6 +146,19 @@ def test_checkpoint_manager_keeps_the_latest_steps(tmp_path):
     sd = manager.restore_state_dict()
     assert int(sd["step"]) == 4
     manager.close()
+
+
+def test_options_with_their_own_todelete_subdir_keep_the_dropped_steps_there(tmp_path):
+    import orbax.checkpoint as ocp
+
+    _, opt = trained("sgd")
+    options = ocp.CheckpointManagerOptions(max_to_keep=1, todelete_subdir="trash", enable_async_checkpointing=False)
+    with ser.CheckpointManager(tmp_path, options=options) as manager:
+        for step in (1, 2):
+            assert manager.save(step, opt)
+        assert list(manager.all_steps()) == [2]
+    assert sorted(os.listdir(tmp_path)) == ["2", "trash"]
+    assert os.listdir(tmp_path / "trash") == ["1"]  # kept there, as orbax does
 
 
 def test_checkpoint_manager_save_interval(tmp_path):
