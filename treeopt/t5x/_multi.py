@@ -16,6 +16,7 @@ from treeopt.t5x import _state
 from treeopt.t5x._base import Optimizer, OptimizerDef, OptimizerState
 from treeopt.t5x._optax import OptaxWrapper
 from treeopt.t5x._partition_rules import key_path
+from treeopt.t5x._zero import with_zero_sharding
 
 
 class _Match:
@@ -254,10 +255,20 @@ class MultiOptimizer(OptimizerDef):
             if set_axes is not None:
                 set_axes(split.subtree(i, leaves))
 
-    def derive_logical_axes(self, optimizer: Optimizer, param_logical_axes: Any) -> Optimizer:
+    def derive_logical_axes(
+        self,
+        optimizer: Optimizer,
+        param_logical_axes: Any,
+        *,
+        shard_state_over: str | None = None,
+        mesh: Any = None,
+        logical_axis_rules: Any = None,
+    ) -> Optimizer:
         """Each sub-optimizer's logical axes for its subset, in this optimizer's state layout.
 
         Entries of params no sub-optimizer derives axes for are ``None``.
+        ``shard_state_over``, ``mesh`` and ``logical_axis_rules`` apply ZeRO-1 to
+        every sub-optimizer's state, as in ``OptaxWrapper.derive_logical_axes``.
 
         Example:
             >>> import jax.numpy as jnp
@@ -297,4 +308,5 @@ class MultiOptimizer(OptimizerDef):
             derived.append(derive(sub_opt, split.subtree(i, axes)).state.param_states)
         state = OptimizerState(None, self._merge_states(split, derived))
         target_axes = split.treedef.unflatten(axes)
-        return Optimizer(optimizer.optimizer_def, state, target_axes)
+        derived_axes = Optimizer(optimizer.optimizer_def, state, target_axes)
+        return with_zero_sharding(derived_axes, optimizer, shard_state_over, mesh, logical_axis_rules)

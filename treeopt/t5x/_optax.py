@@ -25,6 +25,7 @@ from treeopt.hyperparams import checked_value, get_hyperparams, set_hyperparams
 from treeopt.optimizer import flat_step
 from treeopt.t5x import _partition_rules, _state
 from treeopt.t5x._base import Optimizer, OptimizerDef, OptimizerState
+from treeopt.t5x._zero import with_zero_sharding
 
 
 @struct.dataclass
@@ -225,13 +226,28 @@ class OptaxWrapper(OptimizerDef):
 
     # -- partitioning ---------------------------------------------------------------------
 
-    def derive_logical_axes(self, optimizer: Optimizer, param_logical_axes: Any) -> Optimizer:
+    def derive_logical_axes(
+        self,
+        optimizer: Optimizer,
+        param_logical_axes: Any,
+        *,
+        shard_state_over: str | None = None,
+        mesh: Any = None,
+        logical_axis_rules: Any = None,
+    ) -> Optimizer:
         """An :class:`Optimizer` of logical specs for ``optimizer``, shaped as T5X shapes it.
 
         ``target`` holds ``param_logical_axes`` (in the target's containers),
         ``step`` is ``None``, ``param_states`` is the optax state with a spec at
         each per-parameter entry (the param's, or without its reduced axes for
         factored entries) and ``None`` elsewhere. Works for every optax state.
+
+        With ``shard_state_over`` (a logical axis name that ``logical_axis_rules``
+        map to the data-parallel mesh axis, e.g. T5X's ``'batch'``) and ``mesh``,
+        each per-parameter state leaf also gets that name on the largest
+        dimension not sharded already whose size the axis divides (ZeRO-1): see
+        ``docs/sharding.md``. ``logical_axis_rules`` default to flax's active
+        ``axis_rules`` context.
 
         Example:
             >>> import jax, jax.numpy as jnp
@@ -246,7 +262,8 @@ class OptaxWrapper(OptimizerDef):
         shapes = _partition_rules.shapes_of(optimizer.target)
         param_states = _partition_rules.state_axes(optimizer.state.param_states, param_logical_axes, shapes)
         target = _partition_rules.axes_like(optimizer.target, param_logical_axes)
-        return optimizer.replace(state=OptimizerState(step=None, param_states=param_states), target=target)
+        axes = optimizer.replace(state=OptimizerState(step=None, param_states=param_states), target=target)
+        return with_zero_sharding(axes, optimizer, shard_state_over, mesh, logical_axis_rules)
 
 
 # -- wrap_optax_optimizer and the aliases ------------------------------------------------------
@@ -310,7 +327,17 @@ def _alias(factory: Callable[..., Any], name: str, example_args: str) -> Callabl
 
 def _dpsgd_factory() -> Callable[..., Any]:
     contrib = getattr(optax, "contrib", None)
-    return getattr(contrib, "dpsgd", None) or optax.dpsgd
+    dpsgd = getattr(contrib, "dpsgd", None) or optax.dpsgd
+
+    # optax's dpsgd takes only seed= and passes it on to its own aggregate,
+    # which deprecates seed= for key=: a warning no caller can act on.
+    @functools.wraps(dpsgd)
+    def quiet_dpsgd(*args: Any, **kwargs: Any) -> optax.GradientTransformation:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message='"seed" is deprecated', category=DeprecationWarning)
+            return dpsgd(*args, **kwargs)
+
+    return quiet_dpsgd
 
 
 # The aliases of t5x.optimizers ...

@@ -49,6 +49,7 @@ from jax.sharding import PartitionSpec
 
 from treeopt import leaf_names
 from treeopt.partitioning import spec_leaves_with_names
+from treeopt.t5x._zero import with_zero_sharding
 from treeopt.t5x.optimizers import Optimizer, OptimizerDef, OptimizerState
 
 __all__ = [
@@ -645,7 +646,15 @@ class Adafactor(OptimizerDef):
         }
         self.hyper_params = self.hyper_params.replace(factor_map=factor_map)
 
-    def derive_logical_axes(self, optimizer_state: Optimizer, param_logical_axes: Any) -> Optimizer:
+    def derive_logical_axes(
+        self,
+        optimizer_state: Optimizer,
+        param_logical_axes: Any,
+        *,
+        shard_state_over: str | None = None,
+        mesh: Any = None,
+        logical_axis_rules: Any = None,
+    ) -> Optimizer:
         """The optimizer's logical axes from the params': an ``Optimizer`` of specs.
 
         As T5X: ``step`` ``None``, the target the params' axes, ``v`` the param's
@@ -653,6 +662,8 @@ class Adafactor(OptimizerDef):
         ``beta1`` is set (nonzero). Unlike T5X, which replicates them, ``v_row``
         and ``v_col`` get the param's axes without the ones they average over.
         Params whose axes are ``None`` get ``None`` everywhere.
+        ``shard_state_over``, ``mesh`` and ``logical_axis_rules`` apply ZeRO-1 to
+        ``v_row``/``v_col``/``v``/``m``, as in ``OptaxWrapper.derive_logical_axes``.
 
         Example:
             >>> import jax.numpy as jnp
@@ -675,9 +686,10 @@ class Adafactor(OptimizerDef):
             self._state_axes(tuple(np.shape(p)), name, by_name[name], s)
             for p, name, s in zip(leaves, names, states, strict=True)
         ]
-        return optimizer_state.replace(
+        axes = optimizer_state.replace(
             state=OptimizerState(None, jax.tree.unflatten(treedef, out)), target=param_logical_axes
         )
+        return with_zero_sharding(axes, optimizer_state, shard_state_over, mesh, logical_axis_rules)
 
     def _state_axes(self, shape: tuple[int, ...], path: str, axes: Any, state: Any) -> _AdafactorParamState:
         if axes is None:
