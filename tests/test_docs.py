@@ -37,6 +37,7 @@ RUNNABLE_PAGES = [
     "getting-started.md",
     "optimizer.md",
     "serialization.md",
+    "resume.md",
     "t5x.md",
     "migration/from-flax-optim.md",
     "migration/from-treex.md",
