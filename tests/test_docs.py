@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import inspect
+import json
 import re
 import sys
 import textwrap
@@ -238,3 +239,25 @@ def test_guide_runs(page, monkeypatch, tmp_path):
         # inherit this file's `from __future__ import annotations`.
         source = "\n" * (line - 1) + code
         exec(compile(source, f"docs/{page}", "exec", dont_inherit=True), module.__dict__)
+
+
+# -- what the rendered site shows ---------------------------------------------------
+
+
+def test_notebook_section_headings_have_no_inline_code():
+    """The notebook pages' table of contents drops inline code from headings ("Labels and")."""
+    found = []
+    for path in sorted((ROOT / "notebooks").glob("*.ipynb")):
+        for cell in json.loads(path.read_text())["cells"]:
+            if cell["cell_type"] != "markdown":
+                continue
+            for line in "".join(cell["source"]).splitlines():
+                if re.match(r"#{2,6} ", line) and "`" in line:
+                    found.append(f"{path.name}: {line}")
+    assert not found, f"notebook headings with inline code: {found}"
+
+
+def test_notebook_pages_take_their_titles_from_the_nav():
+    """Their H1 titles hold inline code, which mkdocs-jupyter would strip from <title> and the nav."""
+    jupyter = next(p for p in _config()["plugins"] if isinstance(p, dict) and "mkdocs-jupyter" in p)
+    assert jupyter["mkdocs-jupyter"].get("ignore_h1_titles") is True
