@@ -356,9 +356,32 @@ class Optimizer:
     __slots__ = _FIELDS
 
     tx: optax.GradientTransformation
+    """The optax transformation the optimizer applies (static: part of the jit cache key).
+
+    An ``optax.GradientTransformationExtraArgs`` is kept as is; a plain
+    ``GradientTransformation`` is wrapped to accept extra arguments, so this
+    may be another object than the one given.
+
+    Example: ``opt.tx.update(grads, opt.opt_state, params)`` is optax's own step.
+    """
     wrt: Wrt
+    """Which leaves are trained, as given to the constructor (static)."""
     step: jax.Array | None
+    """The number of updates applied so far: an int32 scalar array (a leaf), ``None`` before ``init``.
+
+    Save a checkpoint after the update under ``int(opt.step)``: it then holds
+    the state after that many updates.
+
+    Example: ``opt.update(grads, params)`` moves ``int(opt.step)`` from 0 to 1.
+    """
     opt_state: optax.OptState | None
+    """The optax state (leaves), ``None`` before ``init``.
+
+    It is ``tx.init`` of the trained params as a flat dict keyed by parameter
+    name, so per-parameter entries read ``opt.opt_state[0].mu["dense/kernel"]``
+    for ``optax.adam``. Read it freely; to change it, use ``load_state_dict`` or
+    build a new optimizer, so that the step and the names stay consistent.
+    """
 
     def __init__(self, tx: optax.GradientTransformation, wrt: Wrt = None):
         set_ = object.__setattr__
