@@ -18,6 +18,7 @@ checkpoint mixing two saves, or an older one than allowed, shows.
 from __future__ import annotations
 
 import contextlib
+import gc
 import itertools
 import os
 import random
@@ -27,6 +28,7 @@ import sys
 import textwrap
 import threading
 import time
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -42,6 +44,16 @@ PARAMS = {"w": jnp.zeros(4)}
 BASE = treeopt.Optimizer(optax.adam(0.1)).init(PARAMS)
 TARGET = jax.eval_shape(treeopt.Optimizer(optax.adam(0.1)).init, PARAMS)
 ABSTRACT_PARAMS = jax.eval_shape(lambda: PARAMS)
+
+
+@pytest.fixture(autouse=True)
+def collect_abandoned_coroutines():
+    """A simulated kill stops orbax mid-write and abandons its coroutines: collect them here,
+    where that is expected, rather than let Python warn about them in whichever test runs next."""
+    yield
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="coroutine .* was never awaited", category=RuntimeWarning)
+        gc.collect()
 
 
 def state_at(step):

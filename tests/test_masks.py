@@ -100,3 +100,23 @@ def test_params_that_are_one_bare_array_are_named_and_trained():
     assert opt.paths == ("",)
     assert float(opt.update(jnp.float32(1.0), params)) == 1.5
     assert treeopt.labels({"*": "all"})(jnp.ones(3)) == "all"
+
+
+def test_regex_is_searched_anywhere_in_the_name_glob_matches_the_whole_name():
+    names = {"dense/kernel": 0.0, "kernel_init/bias": 0.0, "out/kernel/scale": 0.0}
+    # A regular expression may match anywhere: "kernel$" finds the name's end, not its start.
+    assert treeopt.mask(r"kernel$", regex=True)(names) == {
+        "dense/kernel": True,
+        "kernel_init/bias": False,
+        "out/kernel/scale": False,
+    }
+    assert treeopt.mask(r"/kernel", regex=True)(names)["out/kernel/scale"]
+    # A glob must match the whole name: "kernel" alone is no name here.
+    assert not any(treeopt.mask("kernel")(names).values())
+    assert treeopt.mask("*/kernel")(names) == {
+        "dense/kernel": True,
+        "kernel_init/bias": False,
+        "out/kernel/scale": False,
+    }
+    assert treeopt.name_matcher("kernel*")("kernel_init/bias")
+    assert not treeopt.name_matcher("kernel*")("dense/kernel")
