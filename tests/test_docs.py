@@ -32,7 +32,15 @@ import treeopt
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 
-PUBLIC_MODULES = ("treeopt", "treeopt.serialization", "treeopt.partitioning", "treeopt.t5x")
+PUBLIC_MODULES = (
+    "treeopt",
+    "treeopt.serialization",
+    "treeopt.checkpoint",
+    "treeopt.errors",
+    "treeopt.keys",
+    "treeopt.partitioning",
+    "treeopt.t5x",
+)
 
 RUNNABLE_PAGES = [
     "getting-started.md",

@@ -11,6 +11,7 @@ import pytest
 from flax.core import freeze
 
 import treeopt
+from treeopt.errors import TreeMismatchError
 
 
 @pytest.fixture
@@ -35,54 +36,58 @@ def test_paths_before_init():
 
 def test_grads_missing_a_param(opt, params):
     grads = {"encoder": {"kernel": jnp.ones((2, 3))}, "head": jnp.ones(3)}
-    with pytest.raises(ValueError, match=re.escape("missing gradients for ['encoder/bias']")):
+    with pytest.raises(TreeMismatchError, match="grads do not match the params") as err:
         opt.update(grads, params)
+    assert err.value.report.missing == ("encoder/bias",) and not err.value.report.unexpected
+    assert "missing (1):\n  encoder/bias" in str(err.value)
 
 
 def test_grads_with_an_extra_param(opt, params):
     grads = {**params, "decoder": {"kernel": jnp.ones(2)}}
-    with pytest.raises(ValueError, match=re.escape("unexpected gradients ['decoder/kernel']")):
+    with pytest.raises(TreeMismatchError) as err:
         opt.update(grads, params)
+    assert err.value.report.unexpected == ("decoder/kernel",) and not err.value.report.missing
+    assert "unexpected (1):\n  decoder/kernel" in str(err.value)
 
 
 def test_grads_of_another_shape(opt, params):
     grads = {**params, "head": jnp.ones(4)}
-    with pytest.raises(ValueError, match=re.escape("'head': expected float32[3], got float32[4]")):
+    with pytest.raises(ValueError, match=re.escape("head: expected float32[3], got float32[4]")):
         opt.update(grads, params)
 
 
 def test_grads_of_another_dtype(opt, params):
     grads = {**params, "head": jnp.ones(3, jnp.bfloat16)}
-    with pytest.raises(ValueError, match=re.escape("'head': expected float32[3], got bfloat16[3]")):
+    with pytest.raises(ValueError, match=re.escape("head: expected float32[3], got bfloat16[3]")):
         opt.update(grads, params)
 
 
 def test_errors_are_raised_inside_jit_too(opt, params):
     step = jax.jit(lambda g, p, o: (o.update(g, p), o))
-    with pytest.raises(ValueError, match=re.escape("'head': expected float32[3], got float32[4]")):
+    with pytest.raises(ValueError, match=re.escape("head: expected float32[3], got float32[4]")):
         step({**params, "head": jnp.ones(4)}, params, opt)
 
 
 def test_params_with_another_layer(opt, params):
     other = {**params, "decoder": jnp.ones(2)}
-    with pytest.raises(ValueError, match=re.escape("unexpected ['decoder']")):
+    with pytest.raises(ValueError, match=re.escape("unexpected (1):\n  decoder")):
         opt.update(params, other)
 
 
 def test_params_missing_a_layer(opt, params):
     other = {"encoder": params["encoder"]}
-    with pytest.raises(ValueError, match=re.escape("missing ['head']")):
+    with pytest.raises(ValueError, match=re.escape("missing (1):\n  head")):
         opt.update(params, other)
 
 
 def test_params_in_another_container(opt, params):
-    with pytest.raises(ValueError, match="same names, other containers"):
+    with pytest.raises(TreeMismatchError, match="Same names, other containers"):
         opt.update(params, freeze(params))
 
 
 def test_params_of_another_shape(opt, params):
     other = {**params, "head": jnp.ones(5)}
-    with pytest.raises(ValueError, match=re.escape("'head': expected float32[3], got float32[5]")):
+    with pytest.raises(ValueError, match=re.escape("head: expected float32[3], got float32[5]")):
         opt.update(params, other)
 
 

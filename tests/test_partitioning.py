@@ -505,11 +505,10 @@ def adam_opt():
 
 def test_error_missing_and_unexpected_names(adam_opt):
     specs = {**PARAM_SPECS, "dense": {"kernel": P("data", "model"), "bais": P("model")}}
-    with pytest.raises(ValueError) as err:
+    with pytest.raises(treeopt.errors.TreeMismatchError, match="param_specs do not match") as err:
         adam_opt.partition_specs(specs)
-    message = str(err.value)
-    assert "no spec for parameter(s) ['dense/bias']" in message
-    assert "unknown parameter(s) ['dense/bais']" in message
+    assert err.value.report.missing == ("dense/bias",)
+    assert err.value.report.unexpected == ("dense/bais",)
 
 
 def test_error_spec_tree_deeper_than_params(adam_opt):

@@ -26,7 +26,7 @@ from test_parity import TRANSFORMATIONS, grads_at
 
 import treeopt
 from treeopt import serialization as ser
-from treeopt._state_dict import flatten
+from treeopt._state_dict import flatten_paths as flatten
 
 PARAMS = {
     "dense": {"kernel": jnp.arange(12.0).reshape(3, 4) / 10, "bias": jnp.linspace(-1.0, 1.0, 4)},
@@ -427,7 +427,7 @@ def test_warm_start_between_unrelated_optimizers_loads_only_what_fits():
     "dtype", ["float32", "bfloat16", "float16", "int8", "int32", "uint32", "bool", "complex64", "int4"]
 )
 def test_checksum_is_the_same_on_host_and_on_device(dtype):
-    from treeopt._state_dict import _device_leaf_sums, _host_sums
+    from treeopt._checksum import _device_leaf_sums, _host_sums
 
     x = jnp.arange(-3, 9).reshape(3, 4).astype(dtype)
     assert _host_sums(np.asarray(x)) == _device_leaf_sums(x)

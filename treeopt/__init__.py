@@ -7,7 +7,13 @@ Example:
     >>> params = opt.update(jax.grad(lambda p: jnp.sum(p["w"] ** 2))(params), params)
 """
 
-from treeopt import partitioning, serialization  # serialization registers Optimizer with flax
+from treeopt import (  # serialization registers Optimizer with flax
+    checkpoint,
+    errors,
+    keys,
+    partitioning,
+    serialization,
+)
 from treeopt._paths import leaf_names
 from treeopt.hyperparams import get_hyperparams, set_hyperparams
 from treeopt.masks import labels, mask, name_matcher
@@ -15,7 +21,10 @@ from treeopt.optimizer import Optimizer
 
 __all__ = [
     "Optimizer",
+    "checkpoint",
+    "errors",
     "get_hyperparams",
+    "keys",
     "labels",
     "leaf_names",
     "mask",

@@ -112,7 +112,11 @@ def _walk(tree: Any) -> tuple[list[KeyPath], list[Any], list[int]]:
     variable_type = _nnx_variable_type()
     if variable_type is None:
         flat = jax.tree_util.tree_flatten_with_path(tree)[0]
-        return _drop_lone_indices([tuple(path) for path, _ in flat]), [None] * len(flat), list(range(len(flat)))
+        return (
+            _drop_lone_indices([tuple(path) for path, _ in flat]),
+            [None] * len(flat),
+            list(range(len(flat))),
+        )
 
     paths: list[KeyPath] = []
     owners: list[Any] = []

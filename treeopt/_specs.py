@@ -46,6 +46,7 @@ from jax.sharding import PartitionSpec
 from jax.tree_util import DictKey, GetAttrKey, SequenceKey
 
 from treeopt._paths import _nnx_variable_type, path_to_name
+from treeopt.errors import TreeMismatchError
 from treeopt.layout import ParamLayout
 
 Shape = tuple[int, ...]
@@ -123,11 +124,12 @@ def flat_param_specs(param_specs: Any, layout: ParamLayout) -> dict[str, Partiti
     missing = [name for name in layout.names if name not in given]
     unexpected = [name for name, _ in named if name not in known]
     if missing or unexpected:
-        raise ValueError(
-            "param_specs do not match the params this optimizer was initialized with:"
-            + (f"\n  no spec for parameter(s) {missing}" if missing else "")
-            + (f"\n  spec(s) for unknown parameter(s) {unexpected}" if unexpected else "")
-            + f"\nExpected a tree shaped like params, with a PartitionSpec at each of {list(layout.names)}."
+        raise TreeMismatchError.between(
+            "param_specs",
+            "the params this optimizer was initialized with",
+            missing=missing,
+            unexpected=unexpected,
+            hint=f"Expected a tree shaped like params, with a PartitionSpec at each of {list(layout.names)}.",
         )
     out = {}
     too_long = []

@@ -132,9 +132,7 @@ def _resolve(located: dict[str, tuple[Any, str]], key: str) -> list[tuple[Any, s
             f"Hyperparameter '{key}' occurs several times; set one of {qualified} "
             "with opt.set_hyperparams({...})."
         )
-    raise AttributeError(
-        f"The optimizer has no injected hyperparameter '{key}'; it has {sorted(located)}."
-    )
+    raise AttributeError(f"The optimizer has no injected hyperparameter '{key}'; it has {sorted(located)}.")
 
 
 # -- checking a new value ------------------------------------------------------------

@@ -36,6 +36,7 @@ from treeopt._paths import (
     leaf_names,
     path_to_name,
 )
+from treeopt.errors import TreeMismatchError, describe
 from treeopt.masks import name_matcher
 
 __all__ = [
@@ -146,10 +147,7 @@ def _variable_slots(infos: list[LeafInfo], index: tuple[int, ...]) -> tuple[int,
     return None
 
 
-def _describe(leaf: Any) -> str:
-    if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
-        return f"{np.dtype(leaf.dtype).name}{list(leaf.shape)}"
-    return type(leaf).__name__
+_INITIALIZED_WITH = "the params this optimizer was initialized with"
 
 
 class ParamLayout:
@@ -224,7 +222,9 @@ class ParamLayout:
         names = [info.name for info in infos]
         check_unique(names)
         select = _selector(wrt)
-        index = tuple(i for i, (info, leaf) in enumerate(zip(infos, leaves, strict=True)) if select(info, leaf))
+        index = tuple(
+            i for i, (info, leaf) in enumerate(zip(infos, leaves, strict=True)) if select(info, leaf)
+        )
         for i in index:
             if not hasattr(leaves[i], "shape"):
                 raise TypeError(
@@ -392,12 +392,12 @@ class ParamLayout:
         by_name = {n: i for i, n in enumerate(names)}
         missing = [n for n in self.names if n not in by_name]
         if missing or unexpected:
-            raise ValueError(
-                "grads do not match the params this optimizer was initialized with:"
-                + (f"\n  missing gradients for {missing}" if missing else "")
-                + (f"\n  unexpected gradients {unexpected}" if unexpected else "")
-                + "\nPass gradients of the same params tree given to init "
-                "(e.g. jax.grad(loss)(params))."
+            raise TreeMismatchError.between(
+                "grads",
+                _INITIALIZED_WITH,
+                missing=missing,
+                unexpected=unexpected,
+                hint="Pass gradients of the same params tree given to init (e.g. jax.grad(loss)(params)).",
             )
         positions = {n: by_name[n] for n in self.names}
         if len(self._by_treedef) < 8:  # names depend on the structure only: match each one once
@@ -416,31 +416,23 @@ class ParamLayout:
         bad = []
         for name, leaf, (shape, dtype) in zip(self.names, trainable, self.avals, strict=True):
             if not hasattr(leaf, "shape") or tuple(leaf.shape) != shape or np.dtype(leaf.dtype) != dtype:
-                bad.append(f"'{name}': expected {np.dtype(dtype).name}{list(shape)}, got {_describe(leaf)}")
+                bad.append((name, f"{np.dtype(dtype).name}{list(shape)}", describe(leaf)))
         if bad:
-            raise ValueError(
-                f"{what} do not match the params this optimizer was initialized with:\n  "
-                + "\n  ".join(bad)
-            )
+            raise TreeMismatchError.between(what, _INITIALIZED_WITH, mismatched=bad)
 
     def _raise_structure_error(self, tree: Any, what: str) -> None:
         names = leaf_names(tree)
         got, expected = set(names), set(self.all_names)
         missing = sorted(expected - got)
         unexpected = sorted(got - expected)
-        details = ""
-        if missing:
-            details += f"\n  missing {missing}"
-        if unexpected:
-            details += f"\n  unexpected {unexpected}"
-        if not details:
-            details = (
-                f"\n  same names, other containers: got {jax.tree.structure(tree)},"
-                f" expected {self.treedef}"
+        hint = "Call opt.init(params) again for a new model."
+        if not (missing or unexpected):
+            hint = (
+                f"Same names, other containers: got {jax.tree.structure(tree)}, expected {self.treedef}.\n"
+                + hint
             )
-        raise ValueError(
-            f"{what} do not match the params this optimizer was initialized with:{details}\n"
-            "Call opt.init(params) again for a new model."
+        raise TreeMismatchError.between(
+            what, _INITIALIZED_WITH, missing=missing, unexpected=unexpected, hint=hint
         )
 
 

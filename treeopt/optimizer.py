@@ -197,7 +197,9 @@ def _join_extra(dynamic: Sequence[Any], static: Any) -> Any:
     treedef, fixed = static
     fixed_at = dict(fixed)
     values = iter(dynamic)
-    return treedef.unflatten([fixed_at[i] if i in fixed_at else next(values) for i in range(treedef.num_leaves)])
+    return treedef.unflatten(
+        [fixed_at[i] if i in fixed_at else next(values) for i in range(treedef.num_leaves)]
+    )
 
 
 class FlatStep(NamedTuple):
@@ -780,10 +782,7 @@ class Optimizer:
             return f"Optimizer(tx={_tx_name(self.tx)}, initialized=False)"
         step = self.step
         step_text = "traced" if _is_tracer(step) else str(jax.device_get(step))
-        return (
-            f"Optimizer(tx={_tx_name(self.tx)}, step={step_text}, "
-            f"params={len(self._layout.names)})"
-        )
+        return f"Optimizer(tx={_tx_name(self.tx)}, step={step_text}, params={len(self._layout.names)})"
 
 
 def _swapped_message(grads: Any, params: Any) -> str:

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from flax import traverse_util
 from flax.core import FrozenDict
 
+from treeopt.errors import TreeMismatchError
 from treeopt.layout import path_to_name
 from treeopt.partitioning import is_spec
 from treeopt.t5x import _state
@@ -290,9 +291,11 @@ class MultiOptimizer(OptimizerDef):
         }
         missing = [name for name, key in zip(split.names, split.keys, strict=True) if key not in by_key]
         if missing:
-            raise ValueError(
-                f"param_logical_axes has no entry for parameter(s) {missing}; it must be shaped like "
-                "the optimizer target."
+            raise TreeMismatchError.between(
+                "param_logical_axes",
+                "the optimizer target",
+                missing=missing,
+                hint="It must be shaped like the target, with a PartitionSpec (or None) at each parameter.",
             )
         axes = [by_key[key] for key in split.keys]
         sub_states = self._sub_states(split, optimizer.state.param_states)

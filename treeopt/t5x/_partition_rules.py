@@ -24,6 +24,7 @@ from flax.core import FrozenDict, unfreeze
 from jax.sharding import PartitionSpec
 from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey
 
+from treeopt.errors import TreeMismatchError
 from treeopt.partitioning import derive_spec, is_spec
 
 KeyPath = tuple[Any, ...]
@@ -228,9 +229,11 @@ def axes_like(tree: Any, params_axes: Any) -> Any:
 
     out = jax.tree_util.tree_map_with_path(one, tree)
     if missing:
-        raise ValueError(
-            f"param_logical_axes has no entry for parameter(s) {missing}; it must be shaped like "
-            "the optimizer target, with a PartitionSpec (or None) at each parameter."
+        raise TreeMismatchError.between(
+            "param_logical_axes",
+            "the optimizer target",
+            missing=missing,
+            hint="It must be shaped like the target, with a PartitionSpec (or None) at each parameter.",
         )
     return out
 

@@ -21,10 +21,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from treeopt.serialization import StateDictError
-
-CHECKSUM_KEY = "checksum"
-"""Top-level key of the checksum that ``flax.serialization.to_state_dict`` adds to an Optimizer's state dict."""
+from treeopt.errors import StateDictError, describe
+from treeopt.keys import key_data, wrap_key_like
+from treeopt.serialization import CHECKSUM_KEY
 
 # -- writing --------------------------------------------------------------------------
 
@@ -47,23 +46,9 @@ def drop_empty_dicts(tree: Any) -> Any:
     return out
 
 
-def _is_key(x: Any) -> bool:
-    dtype = getattr(x, "dtype", None)
-    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
-
-
-def _key_data(x: Any) -> Any:
-    if not _is_key(x):
-        return x
-    if isinstance(x, jax.Array):
-        return jax.random.key_data(x)
-    return jax.eval_shape(jax.random.key_data, x)  # an abstract key
-
-
 def _wrap_key(template: Any, value: Any) -> Any:
-    if not _is_key(template) or _is_key(value) or not isinstance(template, jax.Array):
-        return value
-    return jax.random.wrap_key_data(jnp.asarray(value), impl=jax.random.key_impl(template))
+    # T5X's from_state_dict keeps what it is given for abstract templates.
+    return wrap_key_like(template, value) if isinstance(template, jax.Array) else value
 
 
 def to_state_dict(tree: Any) -> Any:
@@ -74,7 +59,7 @@ def to_state_dict(tree: Any) -> Any:
         >>> to_state_dict({"key": jax.random.key(0)})["key"].dtype
         dtype('uint32')
     """
-    return jax.tree.map(_key_data, flax.serialization.to_state_dict(tree))
+    return jax.tree.map(key_data, flax.serialization.to_state_dict(tree))
 
 
 # -- checked restore ----------------------------------------------------------------------
@@ -93,17 +78,6 @@ def _kind(dtype: Any) -> str:
     if jnp.issubdtype(dtype, jnp.complexfloating):
         return "complex"
     return "other"
-
-
-def _describe(x: Any) -> str:
-    if x is None:
-        return "None"
-    if isinstance(x, (str, bytes)):
-        return f"the string {x!r}"[:60]
-    dtype = getattr(x, "dtype", None)
-    if dtype is not None and hasattr(x, "shape"):
-        return f"{np.dtype(dtype).name}{list(x.shape)}"
-    return type(x).__name__
 
 
 def _value_kind(x: Any) -> tuple[str, tuple[int, ...]] | None:
@@ -130,19 +104,17 @@ def _check_leaf(template: Any, given: Any, path: str, problems: list[str]) -> No
     expected = _value_kind(template)
     if expected is None:
         if template is None and given is not None:
-            problems.append(f"'{path}': expected no value (None), got {_describe(given)}")
+            problems.append(f"'{path}': expected no value (None), got {describe(given)}")
         return  # a template leaf that is no array (an object the state holds as is)
     kind, shape = expected
     got = _value_kind(given)
     if got is None or got[0] is None:
-        problems.append(f"'{path}': expected {_describe(template)} ({kind}), got {_describe(given)}")
+        problems.append(f"'{path}': expected {describe(template)} ({kind}), got {describe(given)}")
         return
     if got[0] != kind:
-        problems.append(
-            f"'{path}': expected {_describe(template)} ({kind}), got {_describe(given)} ({got[0]})"
-        )
+        problems.append(f"'{path}': expected {describe(template)} ({kind}), got {describe(given)} ({got[0]})")
     elif got[1] != shape:
-        problems.append(f"'{path}': expected {_describe(template)}, got {_describe(given)}")
+        problems.append(f"'{path}': expected {describe(template)}, got {describe(given)}")
 
 
 def _has_data(tree: Any) -> bool:
@@ -162,7 +134,7 @@ def _fill(template: Any, given: Any, path: str, problems: list[str]) -> Any:
     if isinstance(template, dict):
         if not isinstance(given, Mapping):
             if _has_data(template) or given is not None:
-                problems.append(f"'{path}': expected a dict of entries, got {_describe(given)}")
+                problems.append(f"'{path}': expected a dict of entries, got {describe(given)}")
             return template if given is None else given
         names = {str(k) for k in template}
         out = {}
@@ -185,25 +157,25 @@ def _fill(template: Any, given: Any, path: str, problems: list[str]) -> Any:
 def restore(*entries: tuple[Any, Any, str]) -> list[Any]:
     """Each ``(template, state_dict, path)``: the template with its values from the state dict.
 
-    ``template`` is any pytree with flax serialization (concrete or from
-    ``jax.eval_shape``). Empty entries T5X drops when writing
-    (``optax.EmptyState``, ``optax.MaskedNode``) are put back. Values are kept
-    as given (T5X's ``from_state_dict``), after checking each against the
-    template: every missing entry, unexpected entry, shape mismatch, value of
-    another kind (integer for float, ``None``, a string) of all the entries is
-    listed, by path, in one :class:`~treeopt.serialization.StateDictError`.
+        ``template`` is any pytree with flax serialization (concrete or from
+        ``jax.eval_shape``). Empty entries T5X drops when writing
+        (``optax.EmptyState``, ``optax.MaskedNode``) are put back. Values are kept
+        as given (T5X's ``from_state_dict``), after checking each against the
+        template: every missing entry, unexpected entry, shape mismatch, value of
+        another kind (integer for float, ``None``, a string) of all the entries is
+        listed, by path, in one :class:`~treeopt.serialization.StateDictError`.
 
-    Example:
-        >>> import numpy as np
-        >>> restore(({"w": np.zeros(2, np.float32)}, {"w": np.ones(2, np.float32)}, "target"))
-        [{'w': array([1., 1.], dtype=float32)}]
-        >>> from treeopt.serialization import StateDictError
-        >>> try:
-        ...     restore(({"w": np.zeros(2, np.float32)}, {"w": np.ones(2, np.int32)}, "target"))
-        ... except StateDictError as e:
-        ...     print(e)
-        The state dict does not match this optimizer at 1 path(s):
-          'target/w': expected float32[2] (float), got int32[2] (integer)
+        Example:
+            >>> import numpy as np
+            >>> restore(({"w": np.zeros(2, np.float32)}, {"w": np.ones(2, np.float32)}, "target"))
+            [{'w': array([1., 1.], dtype=float32)}]
+            >>> from treeopt.serialization import StateDictError
+            >>> try:
+            ...     restore(({"w": np.zeros(2, np.float32)}, {"w": np.ones(2, np.int32)}, "target"))
+            ... except StateDictError as e:
+            ...     print(e)
+            The state dict does not match this optimizer at 1 path(s):
+              'target/w': expected float32[2] (float), got int32[2] (integer)
     """
     problems: list[str] = []
     filled = []
@@ -271,23 +243,23 @@ def with_checksum(state_dict: Mapping[str, Any]) -> dict[str, Any]:
 def verify_checksum(state_dict: Mapping[str, Any], allowed: tuple[str, ...]) -> dict[str, Any]:
     """``state_dict`` without its checksum, which must match its contents (if it has one).
 
-    Top-level keys other than ``allowed`` (and the checksum) are refused: a
-    corrupted key would otherwise be ignored.
+        Top-level keys other than ``allowed`` (and the checksum) are refused: a
+        corrupted key would otherwise be ignored.
 
-    Example:
-        >>> sd = with_checksum({"target": {"w": 1.0}, "state": {"step": 0}})
-        >>> sorted(verify_checksum(sd, ("target", "state")))
-        ['state', 'target']
-        >>> sd["state"]["step"] = 1
-        >>> from treeopt.serialization import StateDictError
-        >>> try:
-        ...     verify_checksum(sd, ("target", "state"))
-        ... except StateDictError as e:
-        ...     print(str(e).split(":")[0])
-        The optimizer's checksum does not match its data
+        Example:
+            >>> sd = with_checksum({"target": {"w": 1.0}, "state": {"step": 0}})
+            >>> sorted(verify_checksum(sd, ("target", "state")))
+            ['state', 'target']
+            >>> sd["state"]["step"] = 1
+            >>> from treeopt.serialization import StateDictError
+            >>> try:
+            ...     verify_checksum(sd, ("target", "state"))
+            ... except StateDictError as e:
+            ...     print(str(e).split(":")[0])
+            The optimizer's checksum does not match its data
     """
     if not isinstance(state_dict, Mapping):
-        raise StateDictError(f"Expected the optimizer's state dict (a dict), got {_describe(state_dict)}.")
+        raise StateDictError(f"Expected the optimizer's state dict (a dict), got {describe(state_dict)}.")
     unknown = sorted(str(k) for k in state_dict if k not in (*allowed, CHECKSUM_KEY))
     if unknown:
         raise StateDictError(

@@ -48,6 +48,7 @@ from flax.core import freeze
 from jax.sharding import PartitionSpec
 
 from treeopt import leaf_names
+from treeopt.errors import TreeMismatchError
 from treeopt.partitioning import spec_leaves_with_names
 from treeopt.t5x._zero import with_zero_sharding
 from treeopt.t5x.optimizers import Optimizer, OptimizerDef, OptimizerState
@@ -680,7 +681,7 @@ class Adafactor(OptimizerDef):
         by_name = dict(spec_leaves_with_names(param_logical_axes))
         missing = [name for name in names if name not in by_name]
         if missing:
-            raise ValueError(f"param_logical_axes has no entry for parameter(s) {missing}.")
+            raise TreeMismatchError.between("param_logical_axes", "the optimizer target", missing=missing)
         states = _leaves_like(treedef, names, optimizer_state.state.param_states, _is_param_state)
         out = [
             self._state_axes(tuple(np.shape(p)), name, by_name[name], s)
@@ -800,7 +801,8 @@ def _leaves_like(treedef: Any, names: list[str], tree: Any, is_leaf: Any) -> lis
     )
     missing = [n for n in names if n not in by_name]
     if missing:
-        raise ValueError(f"No entry for parameter(s) {missing}; the tree has {sorted(by_name)}.")
+        unexpected = sorted(set(by_name) - set(names))
+        raise TreeMismatchError.between("the tree", "the params", missing=missing, unexpected=unexpected)
     return [by_name[n] for n in names]
 
 
