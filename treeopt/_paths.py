@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 from collections import Counter, defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -104,38 +104,52 @@ def _drop_lone_indices(paths: list[KeyPath]) -> list[KeyPath]:
     ]
 
 
-def _walk(tree: Any) -> tuple[list[KeyPath], list[Any], list[int]]:
-    """Per leaf: its key path (an nnx ``Variable``'s inner ``value`` key dropped), the
-    ``Variable`` holding it (or None), and the position of that ``Variable`` (or of
-    the leaf itself) among ``jax.tree.leaves(tree, is_leaf=is_nnx_variable)``.
+class _Walk(NamedTuple):
+    paths: list[KeyPath]  # each leaf's key path, an nnx Variable's inner "value" key dropped
+    owners: list[Any]  # the nnx Variable holding each leaf, or None
+    nodes: list[int]  # the position of that Variable (or of the leaf) among the outer leaves
+    leaves: list[Any]
+
+
+def _walk(tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> _Walk:
+    """Every leaf of ``tree`` (``jax.tree.leaves(tree, is_leaf=is_leaf)``) with its path and nnx owner.
+
+    The outer leaves are those of ``jax.tree.leaves(tree, is_leaf=is_nnx_variable)``.
     """
     variable_type = _nnx_variable_type()
     if variable_type is None:
-        flat = jax.tree_util.tree_flatten_with_path(tree)[0]
-        return (
+        flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]
+        return _Walk(
             _drop_lone_indices([tuple(path) for path, _ in flat]),
             [None] * len(flat),
             list(range(len(flat))),
+            [leaf for _, leaf in flat],
         )
+
+    def outer_leaf(x: Any) -> bool:
+        return isinstance(x, variable_type) or (is_leaf is not None and is_leaf(x))
 
     paths: list[KeyPath] = []
     owners: list[Any] = []
     nodes: list[int] = []
-    outer = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: isinstance(x, variable_type))[0]
+    leaves: list[Any] = []
+    outer = jax.tree_util.tree_flatten_with_path(tree, is_leaf=outer_leaf)[0]
     for position, (path, node) in enumerate(outer):
         if not isinstance(node, variable_type):
             paths.append(tuple(path))
             owners.append(None)
             nodes.append(position)
+            leaves.append(node)
             continue
-        for inner_path, _ in jax.tree_util.tree_flatten_with_path(node)[0]:
+        for inner_path, leaf in jax.tree_util.tree_flatten_with_path(node, is_leaf=is_leaf)[0]:
             inner = tuple(inner_path)
             if inner and isinstance(inner[0], jax.tree_util.GetAttrKey) and inner[0].name == "value":
                 inner = inner[1:]
             paths.append(tuple(path) + inner)
             owners.append(node)
             nodes.append(position)
-    return _drop_lone_indices(paths), owners, nodes
+            leaves.append(leaf)
+    return _Walk(_drop_lone_indices(paths), owners, nodes, leaves)
 
 
 def leaf_names(tree: Any) -> list[str]:
@@ -146,7 +160,18 @@ def leaf_names(tree: Any) -> list[str]:
         >>> leaf_names({"dense": {"kernel": jnp.ones(2), "bias": jnp.zeros(2)}})
         ['dense/bias', 'dense/kernel']
     """
-    return [path_to_name(path) for path in _walk(tree)[0]]
+    return [path_to_name(path) for path in _walk(tree).paths]
+
+
+def named_leaves(tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> list[tuple[str, Any]]:
+    """``[(name, leaf)]`` in ``jax.tree.leaves(tree, is_leaf=is_leaf)`` order, named as :func:`leaf_names`.
+
+    Example:
+        >>> named_leaves({"a": {"b": None}, "c": 1}, is_leaf=lambda x: x is None)
+        [('a/b', None), ('c', 1)]
+    """
+    walk = _walk(tree, is_leaf)
+    return [(path_to_name(path), leaf) for path, leaf in zip(walk.paths, walk.leaves, strict=True)]
 
 
 def _key_part(key: Any) -> Any:
@@ -178,7 +203,7 @@ def leaf_infos(tree: Any) -> list[LeafInfo]:
         >>> leaf_infos({"layers": [jnp.ones(2)]})
         [LeafInfo(name='layers/0', path=('layers', 0), variable=None, node=0)]
     """
-    paths, owners, nodes = _walk(tree)
+    paths, owners, nodes, _ = _walk(tree)
     return [
         LeafInfo(path_to_name(path), tuple(_key_part(k) for k in path), owner, node)
         for path, owner, node in zip(paths, owners, nodes, strict=True)

@@ -43,9 +43,9 @@ import jax
 import numpy as np
 import optax
 from jax.sharding import PartitionSpec
-from jax.tree_util import DictKey, GetAttrKey, SequenceKey
+from jax.tree_util import DictKey, SequenceKey
 
-from treeopt._paths import _nnx_variable_type, path_to_name
+from treeopt._paths import named_leaves
 from treeopt.errors import TreeMismatchError
 from treeopt.layout import ParamLayout
 
@@ -77,22 +77,7 @@ def spec_leaves_with_names(tree: Any) -> list[tuple[str, Any]]:
         >>> [(name, spec if spec is None else tuple(spec)) for name, spec in named]
         [('dense/bias', None), ('dense/kernel', (None, 'model'))]
     """
-    variable_type = _nnx_variable_type()
-
-    def outer_leaf(x: Any) -> bool:
-        return is_spec(x) or (variable_type is not None and isinstance(x, variable_type))
-
-    out = []
-    for path, node in jax.tree_util.tree_flatten_with_path(tree, is_leaf=outer_leaf)[0]:
-        if variable_type is None or not isinstance(node, variable_type):
-            out.append((path_to_name(path), node))
-            continue
-        for inner_path, leaf in jax.tree_util.tree_flatten_with_path(node, is_leaf=is_spec)[0]:
-            inner = tuple(inner_path)
-            if inner and isinstance(inner[0], GetAttrKey) and inner[0].name == "value":
-                inner = inner[1:]
-            out.append((path_to_name(tuple(path) + inner), leaf))
-    return out
+    return named_leaves(tree, is_leaf=is_spec)
 
 
 def flat_param_specs(param_specs: Any, layout: ParamLayout) -> dict[str, PartitionSpec]:
@@ -241,18 +226,29 @@ def _owners(paths: Sequence[tuple[Any, ...]], names: set[str]) -> list[int | Non
     return out
 
 
-def _per_dimension(
+def per_dimension_axes(
     leaves: Sequence[tuple[tuple[Any, ...], Shape]], param_shape: Shape
 ) -> dict[tuple[Any, ...], int] | None:
-    """``{rest of path: axis}`` when the leaves of one param entry are one vector per dimension."""
+    """``{rest of path: axis}`` when one param's state leaves are one vector per dimension, else None.
+
+    ``leaves`` are ``(path below the param's entry, shape)``; SM3 keeps such
+    vectors (one per axis, at positions ``0, 1, ...``), and each gets the spec
+    entry of its axis. The positions are ints or ``jax.tree_util.SequenceKey``.
+
+    Example:
+        >>> per_dimension_axes([((0,), (4,)), ((1,), (8,))], (4, 8))
+        {(0,): 0, (1,): 1}
+        >>> per_dimension_axes([((0,), (4, 8))], (4, 8)) is None   # shaped like the param
+        True
+    """
     if len(leaves) != len(param_shape) or len(param_shape) < 2:
         return None
     axes = {}
     for rest, shape in leaves:
-        if len(rest) != 1 or not isinstance(rest[0], SequenceKey):
+        if len(rest) != 1:
             return None
-        i = rest[0].idx
-        if not 0 <= i < len(param_shape) or tuple(shape) != (param_shape[i],):
+        i = rest[0].idx if isinstance(rest[0], SequenceKey) else rest[0]
+        if not isinstance(i, int) or not 0 <= i < len(param_shape) or tuple(shape) != (param_shape[i],):
             return None
         axes[rest] = i
     return axes if len(set(axes.values())) == len(param_shape) else None
@@ -281,7 +277,7 @@ def _state_leaves(
             continue
         name = path[owner].key
         param_shape, param_spec = shapes[name], param_specs[name]
-        per_dim = _per_dimension(groups[path[: owner + 1]], param_shape)
+        per_dim = per_dimension_axes(groups[path[: owner + 1]], param_shape)
         if per_dim is not None:
             axis = per_dim[path[owner + 1 :]]
             entry = param_spec[axis] if axis < len(param_spec) else None

@@ -10,13 +10,12 @@ import jax.numpy as jnp
 from flax import traverse_util
 from flax.core import FrozenDict
 
-from treeopt.errors import TreeMismatchError
 from treeopt.layout import path_to_name
 from treeopt.partitioning import is_spec
 from treeopt.t5x import _state
 from treeopt.t5x._base import Optimizer, OptimizerDef, OptimizerState
 from treeopt.t5x._optax import OptaxWrapper
-from treeopt.t5x._partition_rules import key_path
+from treeopt.t5x._partition_rules import key_path, missing_axes_error
 from treeopt.t5x._zero import with_zero_sharding
 
 
@@ -291,12 +290,7 @@ class MultiOptimizer(OptimizerDef):
         }
         missing = [name for name, key in zip(split.names, split.keys, strict=True) if key not in by_key]
         if missing:
-            raise TreeMismatchError.between(
-                "param_logical_axes",
-                "the optimizer target",
-                missing=missing,
-                hint="It must be shaped like the target, with a PartitionSpec (or None) at each parameter.",
-            )
+            raise missing_axes_error(missing)
         axes = [by_key[key] for key in split.keys]
         sub_states = self._sub_states(split, optimizer.state.param_states)
         derived = []

@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec
 from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey
 
 from treeopt.errors import TreeMismatchError
-from treeopt.partitioning import derive_spec, is_spec
+from treeopt.partitioning import derive_spec, is_spec, per_dimension_axes
 
 KeyPath = tuple[Any, ...]
 Shape = tuple[int, ...]
@@ -142,7 +142,7 @@ class ParamAxes:
             param_shape = self.shapes.get(param)
             if param_shape is None:
                 return spec if keys == param and len(shape) == len(spec) else None
-            per_dim = _per_dimension(groups[param], param_shape)
+            per_dim = per_dimension_axes(groups[param], param_shape)
             if per_dim is not None:
                 axis = per_dim[keys[len(param) :]]
                 return (
@@ -153,21 +153,6 @@ class ParamAxes:
             return derive_spec(param_shape, spec, shape)
 
         return jax.tree_util.tree_map_with_path(one, node)
-
-
-def _per_dimension(leaves: list[tuple[KeyPath, Shape]], param_shape: Shape) -> dict[KeyPath, int] | None:
-    """``{relative path: axis}`` when a param's leaves are one vector per dimension (SM3's ``mu``)."""
-    if len(leaves) != len(param_shape) or len(param_shape) < 2:
-        return None
-    axes = {}
-    for rest, shape in leaves:
-        if len(rest) != 1 or not isinstance(rest[0], int):
-            return None
-        i = rest[0]
-        if not 0 <= i < len(param_shape) or shape != (param_shape[i],):
-            return None
-        axes[rest] = i
-    return axes if len(set(axes.values())) == len(param_shape) else None
 
 
 def state_axes(
@@ -229,13 +214,26 @@ def axes_like(tree: Any, params_axes: Any) -> Any:
 
     out = jax.tree_util.tree_map_with_path(one, tree)
     if missing:
-        raise TreeMismatchError.between(
-            "param_logical_axes",
-            "the optimizer target",
-            missing=missing,
-            hint="It must be shaped like the target, with a PartitionSpec (or None) at each parameter.",
-        )
+        raise missing_axes_error(missing)
     return out
+
+
+def missing_axes_error(missing: list[str]) -> TreeMismatchError:
+    """The error for ``param_logical_axes`` without an entry for the parameters ``missing``.
+
+    Example:
+        >>> print(missing_axes_error(["dense/bias"]))
+        param_logical_axes do not match the optimizer target:
+        missing (1):
+          dense/bias
+        It must be shaped like the target, with a PartitionSpec (or None) at each parameter.
+    """
+    return TreeMismatchError.between(
+        "param_logical_axes",
+        "the optimizer target",
+        missing=missing,
+        hint="It must be shaped like the target, with a PartitionSpec (or None) at each parameter.",
+    )
 
 
 def shapes_of(params: Any) -> dict[KeyPath, Shape]:

@@ -50,6 +50,7 @@ from jax.sharding import PartitionSpec
 from treeopt import leaf_names
 from treeopt.errors import TreeMismatchError
 from treeopt.partitioning import spec_leaves_with_names
+from treeopt.t5x._partition_rules import missing_axes_error
 from treeopt.t5x._zero import with_zero_sharding
 from treeopt.t5x.optimizers import Optimizer, OptimizerDef, OptimizerState
 
@@ -681,7 +682,7 @@ class Adafactor(OptimizerDef):
         by_name = dict(spec_leaves_with_names(param_logical_axes))
         missing = [name for name in names if name not in by_name]
         if missing:
-            raise TreeMismatchError.between("param_logical_axes", "the optimizer target", missing=missing)
+            raise missing_axes_error(missing)
         states = _leaves_like(treedef, names, optimizer_state.state.param_states, _is_param_state)
         out = [
             self._state_axes(tuple(np.shape(p)), name, by_name[name], s)
