@@ -38,6 +38,8 @@ PUBLIC_MODULES = (
     "treeopt.checkpoint",
     "treeopt.errors",
     "treeopt.keys",
+    "treeopt.step",
+    "treeopt.typing",
     "treeopt.partitioning",
     "treeopt.t5x",
 )

@@ -32,6 +32,8 @@ __all__ = [
     "partitioning",
     "serialization",
     "set_hyperparams",
+    "step",
+    "typing",
 ]
 
 __version__ = "0.1.0"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +15,19 @@ from jax.tree_util import GetAttrKey
 from treeopt import _specs, _state_dict
 from treeopt import hyperparams as _hyperparams
 from treeopt._paths import is_nnx_graph, is_nnx_object
+from treeopt._trace_guard import (
+    CAPTURED,
+    concrete_or_eager_autodiff,
+    is_tracer,
+    refuse_capture,
+    refuse_foreign_trace,
+    strong,
+)
 from treeopt.layout import ParamLayout, Wrt, is_lookahead
+from treeopt.step import ARRAYS, FlatStep, flat_step, stable_dtypes
+from treeopt.typing import Params, StateDict, Updates
+
+__all__ = ["FlatStep", "Optimizer", "flat_step"]
 
 _FIELDS = ("tx", "wrt", "_layout", "_lookahead", "step", "opt_state")
 
@@ -32,276 +44,6 @@ def _as_transformation(tx: Any) -> optax.GradientTransformation:
         "Optimizer(tx) needs an optax.GradientTransformation such as optax.adam(1e-3), "
         f"got {type(tx).__name__}.{hint}"
     )
-
-
-def _strong(x: Any) -> Any:
-    # A weakly typed leaf would come back strongly typed from the first jitted
-    # step and cost one retrace; make the state's avals stable from the start.
-    return jnp.asarray(x, dtype=x.dtype) if isinstance(x, jax.Array) else x
-
-
-def _is_tracer(x: Any) -> bool:
-    return isinstance(x, jax.core.Tracer)
-
-
-def _concrete_or_eager_autodiff(x: Any) -> bool:
-    """True for a concrete value, or a tracer of eager ``jax.grad``/``jvp`` over concrete values.
-
-    An in-place update with those is what ``jax.grad`` of a function that
-    builds its optimizer (or takes it undifferentiated and returns it as aux)
-    needs. Tracers of jit/scan/shard_map staging or of vmap batching on a
-    concrete optimizer mean it was captured by a closure: that stays an error.
-    """
-    while _is_tracer(x):
-        if not hasattr(x, "primal"):  # JVPTracer / LinearizeTracer carry their primal
-            return False
-        x = x.primal
-    return True
-
-
-_CAPTURED = (
-    "Optimizer.update was called inside a JAX transformation (jax.jit, lax.scan, vmap, ...) "
-    "on an optimizer that was not passed into it: its state is concrete, so updating it in "
-    "place would leak tracers (or, under vmap, apply one update for the whole batch). Its "
-    "state is unchanged. Pass the optimizer as an argument and return it:\n"
-    "    @jax.jit\n"
-    "    def train_step(params, opt, batch):\n"
-    "        grads = jax.grad(loss_fn)(params, batch)\n"
-    "        params = opt.update(grads, params)\n"
-    "        return params, opt"
-)
-
-_FOREIGN_TRACE = (
-    "Optimizer.update was called inside an inner JAX transformation (a nested jax.jit, "
-    "lax.scan body, vmap, ...) that closes over an optimizer traced by an outer one: its "
-    "new state would belong to the inner trace and leak out of it. Pass the optimizer into "
-    "the inner function and return it, e.g. carry it through lax.scan."
-)
-
-# Traces under which an in-place update of a concrete optimizer is sound: none
-# (plain eager), and eager jax.grad/jvp of a function that holds the optimizer.
-_AUTODIFF_TRACES = frozenset({"EvalTrace", "JVPTrace", "LinearizeTrace"})
-
-
-def _current_trace() -> Any:
-    """The innermost active JAX trace, or None where this JAX does not expose it."""
-    try:
-        from jax._src import core as jax_core
-
-        return jax_core.trace_ctx.trace
-    except (ImportError, AttributeError):  # pragma: no cover - other JAX versions
-        return None
-
-
-def _refuse_capture(inputs: Any) -> None:
-    """Raises before touching the state when a concrete optimizer is updated inside a transformation."""
-    if not all(_concrete_or_eager_autodiff(x) for x in jax.tree.leaves(inputs)):
-        raise RuntimeError(_CAPTURED)
-    trace = _current_trace()
-    if trace is not None and type(trace).__name__ not in _AUTODIFF_TRACES:
-        raise RuntimeError(_CAPTURED)
-
-
-def _refuse_foreign_trace(step: Any) -> None:
-    """Raises when the optimizer's tracers belong to an outer trace than the one now active."""
-    trace = _current_trace()
-    own = getattr(step, "_trace", None)
-    if trace is None or own is None or trace is own:
-        return
-    if type(trace).__name__ not in _AUTODIFF_TRACES:
-        raise RuntimeError(_FOREIGN_TRACE)
-
-
-def _narrow_float(leaf: Any) -> bool:
-    """A floating leaf narrower than 32 bits (bfloat16, float16, float8): the kind arithmetic promotes."""
-    dtype = getattr(leaf, "dtype", None)
-    return dtype is not None and jnp.issubdtype(dtype, jnp.inexact) and np.dtype(dtype).itemsize < 4
-
-
-def _stable_dtypes(tx: optax.GradientTransformation, opt_state: Any, flat: Any, lookahead: bool) -> Any:
-    """``opt_state`` with the dtypes that ``tx.update`` gives it back.
-
-    Some transformations return a state leaf in another dtype than ``init``
-    made it (``inject_hyperparams(adamw)`` turns the ``mu`` of a bfloat16
-    param into float32 through its float32 hyperparameters). Fixing the dtypes
-    at init means one trace of the jitted step, and a state dict that always
-    loads into ``init`` / ``eval_shape(init)``. Found by tracing updates
-    (shapes only, nothing runs) until the dtypes stop changing.
-    """
-    if not any(_narrow_float(leaf) for leaf in jax.tree.leaves(opt_state)):
-        return opt_state  # 32/64-bit state: nothing to promote, and tracing costs ~1 ms a leaf
-    grads = flat.fast if lookahead else flat
-    state = opt_state
-    for _ in range(3):
-        try:
-            after = jax.eval_shape(
-                functools.partial(_flat_step_traced, tx, extra_args={}, apply_updates=False),
-                jnp.zeros((), jnp.int32),
-                state,
-                grads,
-                flat,
-            ).opt_state
-        except Exception:  # needs extra args (value=, ...), or cannot run on zeros: keep init's
-            return state
-        before_leaves, treedef_ = jax.tree.flatten(state)
-        after_leaves, after_def = jax.tree.flatten(after)
-        treedef: Any = treedef_
-        if treedef != after_def:
-            return state
-        changed = [
-            b is not None and hasattr(b, "dtype") and a.dtype != b.dtype
-            for b, a in zip(before_leaves, after_leaves, strict=True)
-        ]
-        if not any(changed):
-            return state
-        state = treedef.unflatten(
-            [
-                jnp.asarray(b, a.dtype) if c else b
-                for b, a, c in zip(before_leaves, after_leaves, changed, strict=True)
-            ]
-        )
-    return state
-
-
-def _strong_tree(tree: Any) -> Any:
-    """``tree`` with weakly typed arrays made strong: one compiled eager step for either kind."""
-    leaves = tree.values() if type(tree) is dict else jax.tree.leaves(tree)
-    if not any(getattr(x, "weak_type", False) for x in leaves):
-        return tree
-    return jax.tree.map(_strong, tree)
-
-
-_ARRAYS = (jax.Array, np.ndarray, np.generic)
-_DYNAMIC = (*_ARRAYS, int, float, complex)
-
-
-def _split_extra(extra: Mapping[str, Any]) -> tuple[list[Any], Any]:
-    """``(array leaves, static rest)`` of the extra arguments, for the compiled eager step.
-
-    Arrays and numbers are traced inputs; everything else (functions such as
-    ``value_fn``, strings, the static data of pytree nodes) is part of the
-    compile key, so it never reaches jit as an argument it cannot trace.
-    """
-    leaves, treedef = jax.tree.flatten(extra)
-    dynamic, fixed = [], []
-    for i, leaf in enumerate(leaves):
-        if isinstance(leaf, _DYNAMIC):
-            dynamic.append(_strong(leaf))  # Python numbers stay as they are: weak on every call
-        else:
-            fixed.append((i, leaf))
-    return dynamic, (treedef, tuple(fixed))
-
-
-def _join_extra(dynamic: Sequence[Any], static: Any) -> Any:
-    """The extra arguments again, from the two parts :func:`_split_extra` made."""
-    treedef, fixed = static
-    fixed_at = dict(fixed)
-    values = iter(dynamic)
-    return treedef.unflatten(
-        [fixed_at[i] if i in fixed_at else next(values) for i in range(treedef.num_leaves)]
-    )
-
-
-class FlatStep(NamedTuple):
-    """The result of :func:`flat_step`: the new step count, the new optax state, and its output."""
-
-    step: jax.Array
-    """The number of updates applied, incremented by one."""
-    opt_state: optax.OptState
-    """The optax state after the update."""
-    output: Any
-    """The new flat params (``apply_updates=True``) or the flat updates."""
-
-
-def _flat_step_traced(
-    tx: optax.GradientTransformation,
-    step: Any,
-    opt_state: Any,
-    flat_grads: Any,
-    flat_params: Any,
-    extra_args: Mapping[str, Any],
-    apply_updates: bool,
-) -> FlatStep:
-    """The step itself; :func:`flat_step` decides whether it runs traced or compiled."""
-    updates, new_state = tx.update(flat_grads, opt_state, flat_params, **extra_args)
-    out = optax.apply_updates(flat_params, updates) if apply_updates else updates
-    return FlatStep(jnp.asarray(step) + 1, new_state, out)
-
-
-def _flat_step_joined(
-    tx: optax.GradientTransformation,
-    step: Any,
-    opt_state: Any,
-    flat_grads: Any,
-    flat_params: Any,
-    dynamic_extra: Sequence[Any],
-    static_extra: Any,
-    apply_updates: bool,
-) -> FlatStep:
-    extra = _join_extra(dynamic_extra, static_extra)
-    return _flat_step_traced(tx, step, opt_state, flat_grads, flat_params, extra, apply_updates)
-
-
-# The eager path: one compiled program per (tx, avals, static extras) instead of many small ops.
-_flat_step_compiled = jax.jit(_flat_step_joined, static_argnums=(0, 6, 7))
-
-
-def flat_step(
-    tx: optax.GradientTransformation,
-    step: Any,
-    opt_state: Any,
-    flat_grads: Mapping[str, Any],
-    flat_params: Mapping[str, Any] | None,
-    *,
-    apply_updates: bool = True,
-    extra_args: Mapping[str, Any] | None = None,
-) -> FlatStep:
-    """One optimizer step over the flat, named state: a pure function.
-
-    ``tx.update`` on ``{name: grad}`` and ``{name: param}``, then (with
-    ``apply_updates``) the updates applied. Under a JAX transformation it is
-    traced inline; called on concrete values it runs as one compiled program,
-    cached per ``tx``, shapes and dtypes. Weakly typed grads and params (from
-    ``jnp.full(shape, 0.01)``) are made strongly typed first, so they share the
-    program of strongly typed ones. Arrays and numbers among ``extra_args`` are
-    inputs of that program; anything else (a ``value_fn``) is part of its cache
-    key, so pass the same function object every step.
-    :meth:`Optimizer.update` is built on it, and so are layers that keep the
-    state in another shape (``treeopt.t5x``).
-
-    Args:
-        tx: the optax transformation (static: part of the compile key).
-        step: the number of updates applied so far (an int32 scalar).
-        opt_state: ``tx``'s state over the flat named params.
-        flat_grads: ``{name: gradient}``.
-        flat_params: ``{name: param}``, or ``None`` when ``tx`` does not read
-            params and ``apply_updates`` is False.
-        apply_updates: return the new params (default) or the updates.
-        extra_args: keyword arguments for ``tx.update`` (e.g. ``value=loss``),
-            over the flat named params as ``tx`` sees them.
-
-    Returns:
-        A :class:`FlatStep` ``(step + 1, new opt_state, new params or updates)``.
-
-    Example:
-        >>> import jax.numpy as jnp, optax
-        >>> tx = optax.sgd(0.5)
-        >>> params = {"w": jnp.ones(2)}
-        >>> out = flat_step(tx, jnp.int32(0), tx.init(params), {"w": jnp.ones(2)}, params)
-        >>> int(out.step), out.output["w"]
-        (1, Array([0.5, 0.5], dtype=float32))
-    """
-    extra = dict(extra_args or {})
-    if _is_tracer(step):
-        return _flat_step_traced(tx, step, opt_state, flat_grads, flat_params, extra, apply_updates)
-    flat_grads, flat_params = _strong_tree(flat_grads), _strong_tree(flat_params)
-    dynamic, static = _split_extra(extra)
-    try:
-        hash(static)
-    except TypeError:  # an unhashable extra argument: compiled for this call only
-        one_off = functools.partial(_flat_step_traced, tx, extra_args=extra, apply_updates=apply_updates)
-        return jax.jit(one_off)(step, opt_state, flat_grads, flat_params)
-    return _flat_step_compiled(tx, step, opt_state, flat_grads, flat_params, dynamic, static, apply_updates)
 
 
 class Optimizer:
@@ -434,7 +176,7 @@ class Optimizer:
         """Names of the trainable parameters, e.g. ``("decoder/layers_0/kernel", ...)``."""
         return self._require_layout().names
 
-    def init(self, params: Any) -> Optimizer:
+    def init(self, params: Params) -> Optimizer:
         """A new, initialized optimizer for ``params`` (``self`` is left unchanged).
 
         Example:
@@ -451,7 +193,7 @@ class Optimizer:
             )
         else:
             flat = layout.split_params(params)[0]
-        opt_state = _stable_dtypes(self.tx, jax.tree.map(_strong, self.tx.init(flat)), flat, lookahead)
+        opt_state = stable_dtypes(self.tx, jax.tree.map(strong, self.tx.init(flat)), flat, lookahead)
         new = Optimizer._tree_unflatten(
             (self.tx, self.wrt, layout, lookahead), (jnp.zeros((), jnp.int32), opt_state)
         )
@@ -461,11 +203,11 @@ class Optimizer:
 
     def update(
         self,
-        grads: Any,
-        params: Any = None,
+        grads: Updates,
+        params: Params = None,
         apply_updates: bool = True,
         **extra_args: Any,
-    ) -> Any:
+    ) -> Params:
         """Applies one optimizer step: updates the state in place and returns new params.
 
         The gradients come first: ``params = opt.update(grads, params)``
@@ -529,10 +271,10 @@ class Optimizer:
             raise
         if extra_args:
             extra_args = self._user_extra_args(extra_args, grads, params)
-        if _is_tracer(self.step):
-            _refuse_foreign_trace(self.step)
+        if is_tracer(self.step):
+            refuse_foreign_trace(self.step)
         else:
-            _refuse_capture((flat_grads, flat_params, extra_args))
+            refuse_capture((flat_grads, flat_params, extra_args))
         result = flat_step(
             self.tx,
             self.step,
@@ -542,8 +284,8 @@ class Optimizer:
             apply_updates=apply_updates,
             extra_args=extra_args,
         )
-        if not _is_tracer(self.step) and not _concrete_or_eager_autodiff(result.step):
-            raise RuntimeError(_CAPTURED)  # a trace we could not see from the inputs
+        if not is_tracer(self.step) and not concrete_or_eager_autodiff(result.step):
+            raise RuntimeError(CAPTURED)  # a trace we could not see from the inputs
         object.__setattr__(self, "step", result.step)
         object.__setattr__(self, "opt_state", result.opt_state)
         out = result.output
@@ -653,7 +395,7 @@ class Optimizer:
 
     # -- serialization (state_dict / load_state_dict) ------------------------------
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> StateDict:
         """The state as nested plain dicts of arrays, keyed by parameter name.
 
         ``{"step": ..., "opt_state": ...}``; ``opt_state`` is the optax state as
@@ -781,7 +523,7 @@ class Optimizer:
         if self._layout is None:
             return f"Optimizer(tx={_tx_name(self.tx)}, initialized=False)"
         step = self.step
-        step_text = "traced" if _is_tracer(step) else str(jax.device_get(step))
+        step_text = "traced" if is_tracer(step) else str(jax.device_get(step))
         return f"Optimizer(tx={_tx_name(self.tx)}, step={step_text}, params={len(self._layout.names)})"
 
 
@@ -845,7 +587,7 @@ class _InUserStructure:
         leaves, treedef = jax.tree.flatten(params)
         index = layout.trained_positions(params, treedef)
         trained = set(index)
-        is_array = [i not in trained and isinstance(leaf, _ARRAYS) for i, leaf in enumerate(leaves)]
+        is_array = [i not in trained and isinstance(leaf, ARRAYS) for i, leaf in enumerate(leaves)]
         arrays = tuple(leaf if keep else None for leaf, keep in zip(leaves, is_array, strict=True))
         fixed = tuple(
             (i, leaf)
