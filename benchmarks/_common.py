@@ -21,7 +21,12 @@ BASELINE = "optax"
 
 @dataclass
 class Profile:
-    """How much work each case does: ``full`` for the figures, ``quick`` for a smoke test."""
+    """How much work each case does.
+
+    ``full`` gives the figures of docs/benchmarks.md (about an hour on 2 CPU
+    cores), ``quick`` the headline ratios in a few minutes, ``smoke`` checks that
+    every case runs (seconds, in the test suite).
+    """
 
     name: str
     # case 1: (label, n_layers, width, batch, warmup, rounds, steps per round)
@@ -53,6 +58,12 @@ class Profile:
     )
     zero_optimizer: str = "adam"
     nnx: bool = True
+    # the cases run when --cases is not given (None: every case)
+    cases: Sequence[str] | None = None
+    # case 1: the variants timed (None: all), and whether optax and treeopt get a second,
+    # reversed pass (the close call: see train_step.two_passes)
+    train_variants: Sequence[str] | None = None
+    second_pass: bool = True
 
 
 FULL = Profile(
@@ -80,6 +91,25 @@ FULL = Profile(
 
 QUICK = Profile(
     name="quick",
+    train_configs=(
+        ("400 leaves (200 x 64x64)", 200, 64, 32, 3, 8, 5),
+        ("2,000 leaves (1000 x 32x32)", 1000, 32, 32, 2, 4, 5),
+    ),
+    train_optimizers=("adam",),
+    host_configs=(("adam", 400, 5, 10, 10),),
+    eager_config=(200, 64, 3, 40),
+    eager_optimizers=("adam",),
+    compile_config=(200, 64, 32, 1),
+    compile_optimizers=("adam",),
+    retrace_config=(8, 16, 300, 50),
+    gpu_config=(100_000_000, 10),
+    cases=("train_step", "eager_update", "memory", "retraces"),
+    train_variants=("optax", "treeopt", "nnx split/merge", "nnx.jit"),
+    second_pass=False,
+)
+
+SMOKE = Profile(
+    name="smoke",
     train_configs=(("4 leaves (2 x 4x4)", 2, 4, 2, 1, 2, 2),),
     train_optimizers=("adam",),
     host_configs=(("adam", 4, 1, 2, 2),),

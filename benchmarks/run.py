@@ -3,7 +3,8 @@
 Usage::
 
     python -m benchmarks.run                 # everything (the figures in docs/benchmarks.md)
-    python -m benchmarks.run --quick         # tiny sizes, a few seconds: a smoke test
+    python -m benchmarks.run --quick         # the headline ratios, a few minutes
+    python -m benchmarks.run --smoke         # tiny sizes, seconds: checks that every case runs
     python -m benchmarks.run --cases train_step,memory --markdown
 
 Results go to ``benchmarks/results/<UTC time>.json`` (and ``latest.json``);
@@ -36,7 +37,7 @@ from benchmarks import (
     train_step,
     zero,
 )
-from benchmarks._common import FULL, QUICK, Row, environment, with_ratios
+from benchmarks._common import FULL, QUICK, SMOKE, Profile, Row, environment, with_ratios
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -48,7 +49,10 @@ CASES: dict[str, tuple[str, Callable[..., list[Row]]]] = {
     "memory": ("5. Compiled step memory, donated (temp + output - alias, MiB)", memory.run),
     "retraces": ("6. Retraces after the first step, lr changed periodically", retrace.run),
     "gpu_bandwidth": ("7. GPU: adam/adamw update bandwidth (GB/s, 28 bytes/param)", gpu_bandwidth.run),
-    "many_leaves": ("8. Many tiny leaves: first step, trace + compile + run (s), own process", many_leaves.run),
+    "many_leaves": (
+        "8. Many tiny leaves: first step, trace + compile + run (s), own process",
+        many_leaves.run,
+    ),
     "nnx_loop": ("9. nnx training loop, BatchNorm + Dropout (median ms per step)", nnx_loop.run),
     "zero": ("10. ZeRO-1: adam state per device, 8 virtual CPU devices (MiB), own process", zero.run),
 }
@@ -132,23 +136,37 @@ def table(rows: Sequence[Row], markdown: bool = False) -> str:
     return "\n".join(lines)
 
 
+def choose(quick: bool, smoke: bool, cases: str | None) -> tuple[Profile, list[str]]:
+    """The profile and the cases to run: ``cases`` (comma-separated) or the profile's own."""
+    profile = QUICK if quick else SMOKE if smoke else FULL
+    selected = (
+        list(profile.cases or CASES) if cases is None else [c.strip() for c in cases.split(",") if c.strip()]
+    )
+    unknown = [c for c in selected if c not in CASES]
+    if unknown:
+        raise ValueError(f"unknown case(s) {unknown}; choose from {list(CASES)}")
+    return profile, selected
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="tiny sizes and few steps: a smoke test")
-    parser.add_argument(
-        "--cases", default=",".join(CASES), help=f"comma-separated subset of: {', '.join(CASES)}"
+    sizes = parser.add_mutually_exclusive_group()
+    sizes.add_argument(
+        "--quick", action="store_true", help="the headline ratios (cases 1, 3, 5, 6 at 400 and 2,000 leaves)"
     )
+    sizes.add_argument(
+        "--smoke", action="store_true", help="tiny sizes and few steps: checks that every case runs"
+    )
+    parser.add_argument("--cases", default=None, help=f"comma-separated subset of: {', '.join(CASES)}")
     parser.add_argument("--out", type=Path, default=RESULTS, help="folder for the JSON record")
     parser.add_argument("--markdown", action="store_true", help="print the tables as markdown")
     parser.add_argument("--no-nnx", action="store_true", help="leave out the flax.nnx variants")
     parser.add_argument("--silent", action="store_true", help="no progress lines, only the tables")
     args = parser.parse_args(argv)
-
-    selected = [c.strip() for c in args.cases.split(",") if c.strip()]
-    unknown = [c for c in selected if c not in CASES]
-    if unknown:
-        parser.error(f"unknown case(s) {unknown}; choose from {list(CASES)}")
-    profile = QUICK if args.quick else FULL
+    try:
+        profile, selected = choose(args.quick, args.smoke, args.cases)
+    except ValueError as e:
+        parser.error(str(e))
     if args.no_nnx:
         profile = dataclasses.replace(profile, nnx=False)
 

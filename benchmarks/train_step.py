@@ -172,6 +172,7 @@ def two_passes(
     per_round: int,
     log: Callable[[str], None],
     config: str,
+    second_pass: bool = True,
 ) -> dict[str, dict[str, Any]]:
     """Times ``names`` in one pass, then the first two (optax, treeopt) again in the opposite order.
 
@@ -187,6 +188,8 @@ def two_passes(
         by_name[name].update(st)
     del first
     release()
+    if not second_pass:
+        return by_name
     pair = list(reversed(names[:2]))
     log(f"[{CASE}] {config}: pass 2 ({', '.join(pair)})")
     second, _ = timed_pass(pair, build, warmup, rounds, per_round)
@@ -211,7 +214,12 @@ def measured_rows(case: str, config: str, by_name: dict[str, dict[str, Any]]) ->
 
 def run(profile: Profile, log: Callable[[str], None] = print) -> list[Row]:
     rows = []
-    names = [n for n in VARIANTS if profile.nnx or not n.startswith("nnx")]
+    names = [
+        n
+        for n in VARIANTS
+        if (profile.nnx or not n.startswith("nnx"))
+        and (profile.train_variants is None or n in profile.train_variants)
+    ]
     for label, n_layers, width, rows_in_batch, warmup, rounds, per_round in profile.train_configs:
         params = models.mlp_params(n_layers, width)
         x = models.batch(width, rows_in_batch)
@@ -226,6 +234,7 @@ def run(profile: Profile, log: Callable[[str], None] = print) -> list[Row]:
                 per_round,
                 log,
                 config,
+                profile.second_pass,
             )
             rows.extend(measured_rows(CASE, config, by_name))
     return rows

@@ -1,4 +1,4 @@
-"""The benchmark suite runs end to end in --quick mode (tiny sizes). Nothing here is timed."""
+"""The benchmark suite runs end to end in --smoke mode (tiny sizes). Nothing here is timed."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import _common, gpu_bandwidth, run
+from benchmarks import _common, gpu_bandwidth, run, train_step
 
 CASE_VARIANTS = {
     "train_step": {"optax", "treeopt", "TrainState", "nnx split/merge", "nnx.jit"},
@@ -48,7 +48,7 @@ def check_every_variant_is_measured_beside_optax(results: dict) -> None:
 def check_timings_are_medians_of_every_step(results: dict) -> None:
     for r in rows(results, "train_step"):
         assert r["p25_ms"] <= r["value"] <= r["p75_ms"], r
-        # rounds x steps per round of the quick profile; optax and treeopt are timed in
+        # rounds x steps per round of the smoke profile; optax and treeopt are timed in
         # two passes (each compiled first once) and their samples pooled.
         passes = 2 if r["variant"] in ("optax", "treeopt") else 1
         assert r["n"] == passes * 2 * 2, r
@@ -103,11 +103,11 @@ def check_gpu_case_skips_cleanly_without_a_gpu(results: dict) -> None:
         assert row["value"] > 0
 
 
-def test_quick_run_measures_every_case(tmp_path: Path) -> None:
+def test_smoke_run_measures_every_case(tmp_path: Path) -> None:
     # One test for the whole run: the suite compiles a few dozen small programs.
-    returned = run.main(["--quick", "--silent", "--out", str(tmp_path)])
+    returned = run.main(["--smoke", "--silent", "--out", str(tmp_path)])
     saved = json.loads((tmp_path / "latest.json").read_text())
-    assert saved["profile"] == "quick" and returned["path"].startswith(str(tmp_path))
+    assert saved["profile"] == "smoke" and returned["path"].startswith(str(tmp_path))
     assert set(saved["cases"]) == set(run.CASES)
     check_every_variant_is_measured_beside_optax(saved)
     check_timings_are_medians_of_every_step(saved)
@@ -120,7 +120,7 @@ def test_quick_run_measures_every_case(tmp_path: Path) -> None:
 
 
 def test_gpu_case_code_path_runs_on_any_backend() -> None:
-    measured = gpu_bandwidth.run(_common.QUICK, log=lambda _: None, force=True)
+    measured = gpu_bandwidth.run(_common.SMOKE, log=lambda _: None, force=True)
     assert [(r.config.split(",")[0], r.variant) for r in measured] == [
         ("adam", "optax"),
         ("adam", "treeopt"),
@@ -150,5 +150,25 @@ def test_markdown_table_escapes_pipes_inside_cells() -> None:
 
 def test_unknown_case_is_an_error(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
-        run.main(["--quick", "--cases", "nope"])
+        run.main(["--smoke", "--cases", "nope"])
     assert "unknown case(s) ['nope']" in capsys.readouterr().err
+
+
+def test_quick_runs_the_headline_cases_at_400_and_2000_leaves() -> None:
+    profile, cases = run.choose(quick=True, smoke=False, cases=None)
+    assert profile.name == "quick"
+    assert cases == ["train_step", "eager_update", "memory", "retraces"]
+    assert [config[0] for config in profile.train_configs] == [
+        "400 leaves (200 x 64x64)",
+        "2,000 leaves (1000 x 32x32)",
+    ]
+    assert profile.nnx  # nnx.Optimizer is timed beside treeopt in train_step
+    assert run.choose(quick=True, smoke=False, cases="zero")[1] == ["zero"]
+    assert set(profile.train_variants or ()) <= set(train_step.VARIANTS) and not profile.second_pass
+    assert run.choose(quick=False, smoke=False, cases=None)[1] == list(run.CASES)
+
+
+def test_quick_and_smoke_exclude_each_other(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        run.main(["--quick", "--smoke"])
+    assert "not allowed with argument" in capsys.readouterr().err
