@@ -627,3 +627,40 @@ def test_none_or_a_string_where_an_array_is_expected_names_the_path():
     sd = fresh("adam").state_dict()
     sd["opt_state"]["0"]["extra"] = None
     assert ser.check_state_dict(fresh("adam"), sd).ok
+
+
+def test_an_abstract_target_cannot_keep_what_the_source_lacks(tmp_path):
+    params = {"w": jnp.ones(3), "b": jnp.zeros(3)}
+    opt = treeopt.Optimizer(optax.adam(0.1)).init(params)
+    sd = opt.state_dict()
+    del sd["opt_state"]["0"]["nu"]["b"]
+    abstract = jax.eval_shape(opt.init, params)
+    with pytest.warns(ser.StateDictWarning), pytest.raises(ser.StateDictError, match=r"abstract.*opt_state/0/nu/b"):
+        abstract.load_state_dict(sd, strict=False)
+    # The same for params restored from a checkpoint that lacks one of them.
+    ser.save(tmp_path / "c", opt, {"w": params["w"]})
+    wanted = jax.eval_shape(lambda: params)
+    with pytest.warns(ser.StateDictWarning), pytest.raises(ser.StateDictError, match=r"abstract.*\['b'\]"):
+        ser.restore(tmp_path / "c", abstract, params=wanted, strict=False)
+    # A concrete target keeps its own value where the source has none.
+    with pytest.warns(ser.StateDictWarning, match="params paths"):
+        _, restored = ser.restore(tmp_path / "c", opt, params=params, strict=False)
+    np.testing.assert_array_equal(restored["b"], params["b"])
+    np.testing.assert_array_equal(restored["w"], params["w"])
+
+
+def test_key_helpers_convert_keys_only():
+    from treeopt.keys import is_key, key_data, wrap_key_like
+
+    key = jax.random.key(7)
+    data = key_data(key)
+    assert data.dtype == jnp.uint32 and not is_key(data)
+    back = wrap_key_like(key, data)
+    assert is_key(back) and jax.random.key_impl(back) == jax.random.key_impl(key)
+    np.testing.assert_array_equal(jax.random.key_data(back), data)
+    assert wrap_key_like(key, key) is key  # already a key
+    plain = jnp.arange(2.0)
+    assert wrap_key_like(plain, data) is data  # not a key slot: left as given
+    assert key_data(plain) is plain
+    abstract = jax.eval_shape(lambda: key)
+    assert key_data(abstract).dtype == jnp.uint32 and isinstance(key_data(abstract), jax.ShapeDtypeStruct)
