@@ -94,6 +94,14 @@ def test_lbfgs_under_jit_equals_raw_optax_bit_for_bit():
     assert_trees_equal(got_params, want_params)
 
 
+def test_polyak_sgd_step_size_from_the_value_equals_raw_optax():
+    tx = optax.polyak_sgd(max_learning_rate=1.0)  # needs value=: the loss sets each step's size
+    want_params, want = run_raw(tx, PARAMS, 6, jit=True)
+    got_params, got = run_treeopt(tx, PARAMS, 6, jit=True)
+    assert got == want and got[-1] < got[0]
+    assert_trees_equal(got_params, want_params)
+
+
 def test_lbfgs_eager_agrees_with_raw_optax():
     tx = optax.lbfgs()
     want_params, want = run_raw(tx, PARAMS, 4, jit=False, value_fn=objective)

@@ -283,9 +283,9 @@ def test_restore_state_names_missing_unexpected_and_misshapen_paths():
         opt.restore_state(sd)
     message = str(err.value)
     assert isinstance(err.value, treeopt.serialization.StateDictError)
-    assert "'state/param_states/0/nu/dense/kernel': missing" in message
-    assert "'state/param_states/0/mu/extra': unexpected" in message
-    assert "'target/out/kernel': expected float32[4, 2], got float64[2, 2]" in message
+    assert err.value.report.missing == ("state/param_states/0/nu/dense/kernel",)
+    assert err.value.report.unexpected == ("state/param_states/0/mu/extra",)
+    assert "target/out/kernel: expected float32[4, 2], got float64[2, 2]" in message
 
 
 def test_masked_nodes_are_dropped_and_restored():

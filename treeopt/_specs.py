@@ -110,8 +110,7 @@ def flat_param_specs(param_specs: Any, layout: ParamLayout) -> dict[str, Partiti
     unexpected = [name for name, _ in named if name not in known]
     if missing or unexpected:
         raise TreeMismatchError.between(
-            "param_specs",
-            "the params this optimizer was initialized with",
+            "param_specs do not match the params this optimizer was initialized with",
             missing=missing,
             unexpected=unexpected,
             hint=f"Expected a tree shaped like params, with a PartitionSpec at each of {list(layout.names)}.",

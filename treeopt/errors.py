@@ -133,18 +133,19 @@ class TreeMismatchError(ValueError):
     @classmethod
     def between(
         cls,
-        what: str,
-        expected: str,
+        lead: str,
         *,
         missing: Iterable[str] = (),
         unexpected: Iterable[str] = (),
         mismatched: Iterable[tuple[str, str, str]] = (),
         hint: str = "",
     ) -> TreeMismatchError:
-        """The error for ``what`` not matching ``expected``, its paths listed as :meth:`LoadReport.problems` does.
+        """The error whose message is ``lead``, then the paths (sorted) as :meth:`LoadReport.problems` lists them.
 
         Example:
-            >>> err = TreeMismatchError.between("grads", "the params", missing=["b"], hint="Pass grads of params.")
+            >>> err = TreeMismatchError.between(
+            ...     "grads do not match the params", missing=["b"], hint="Pass grads of params."
+            ... )
             >>> print(err)
             grads do not match the params:
             missing (1):
@@ -152,9 +153,11 @@ class TreeMismatchError(ValueError):
             Pass grads of params.
         """
         report = LoadReport(
-            missing=tuple(missing), unexpected=tuple(unexpected), mismatched=tuple(mismatched)
+            missing=tuple(sorted(missing)),
+            unexpected=tuple(sorted(unexpected)),
+            mismatched=tuple(sorted(mismatched)),
         )
-        message = f"{what} do not match {expected}:\n{report.problems()}"
+        message = f"{lead}:\n{report.problems()}"
         return cls(message + (f"\n{hint}" if hint else ""), report)
 
 

@@ -147,7 +147,7 @@ def _variable_slots(infos: list[LeafInfo], index: tuple[int, ...]) -> tuple[int,
     return None
 
 
-_INITIALIZED_WITH = "the params this optimizer was initialized with"
+_NOT_INITIALIZED_WITH = "do not match the params this optimizer was initialized with"
 
 
 class ParamLayout:
@@ -393,8 +393,7 @@ class ParamLayout:
         missing = [n for n in self.names if n not in by_name]
         if missing or unexpected:
             raise TreeMismatchError.between(
-                "grads",
-                _INITIALIZED_WITH,
+                f"grads {_NOT_INITIALIZED_WITH}",
                 missing=missing,
                 unexpected=unexpected,
                 hint="Pass gradients of the same params tree given to init (e.g. jax.grad(loss)(params)).",
@@ -418,7 +417,7 @@ class ParamLayout:
             if not hasattr(leaf, "shape") or tuple(leaf.shape) != shape or np.dtype(leaf.dtype) != dtype:
                 bad.append((name, f"{np.dtype(dtype).name}{list(shape)}", describe(leaf)))
         if bad:
-            raise TreeMismatchError.between(what, _INITIALIZED_WITH, mismatched=bad)
+            raise TreeMismatchError.between(f"{what} {_NOT_INITIALIZED_WITH}", mismatched=bad)
 
     def _raise_structure_error(self, tree: Any, what: str) -> None:
         names = leaf_names(tree)
@@ -432,7 +431,7 @@ class ParamLayout:
                 + hint
             )
         raise TreeMismatchError.between(
-            what, _INITIALIZED_WITH, missing=missing, unexpected=unexpected, hint=hint
+            f"{what} {_NOT_INITIALIZED_WITH}", missing=missing, unexpected=unexpected, hint=hint
         )
 
 

@@ -229,8 +229,7 @@ def missing_axes_error(missing: list[str]) -> TreeMismatchError:
         It must be shaped like the target, with a PartitionSpec (or None) at each parameter.
     """
     return TreeMismatchError.between(
-        "param_logical_axes",
-        "the optimizer target",
+        "param_logical_axes do not match the optimizer target",
         missing=missing,
         hint="It must be shaped like the target, with a PartitionSpec (or None) at each parameter.",
     )

@@ -100,21 +100,33 @@ def _value_kind(x: Any) -> tuple[str, tuple[int, ...]] | None:
     return (None if kind == "other" else kind, tuple(shape))  # type: ignore[return-value]
 
 
-def _check_leaf(template: Any, given: Any, path: str, problems: list[str]) -> None:
+class _Problems:
+    """What a restore found wrong, by path, as a :class:`~treeopt.errors.LoadReport` lists it."""
+
+    def __init__(self) -> None:
+        self.missing: list[str] = []
+        self.unexpected: list[str] = []
+        self.mismatched: list[tuple[str, str, str]] = []
+
+    def __bool__(self) -> bool:
+        return bool(self.missing or self.unexpected or self.mismatched)
+
+
+def _check_leaf(template: Any, given: Any, path: str, problems: _Problems) -> None:
     expected = _value_kind(template)
     if expected is None:
         if template is None and given is not None:
-            problems.append(f"'{path}': expected no value (None), got {describe(given)}")
+            problems.mismatched.append((path, "no value (None)", describe(given)))
         return  # a template leaf that is no array (an object the state holds as is)
     kind, shape = expected
     got = _value_kind(given)
     if got is None or got[0] is None:
-        problems.append(f"'{path}': expected {describe(template)} ({kind}), got {describe(given)}")
+        problems.mismatched.append((path, f"{describe(template)} ({kind})", describe(given)))
         return
     if got[0] != kind:
-        problems.append(f"'{path}': expected {describe(template)} ({kind}), got {describe(given)} ({got[0]})")
+        problems.mismatched.append((path, f"{describe(template)} ({kind})", f"{describe(given)} ({got[0]})"))
     elif got[1] != shape:
-        problems.append(f"'{path}': expected {describe(template)}, got {describe(given)}")
+        problems.mismatched.append((path, describe(template), describe(given)))
 
 
 def _has_data(tree: Any) -> bool:
@@ -129,12 +141,12 @@ def _leaf_paths(tree: Any, prefix: str) -> list[str]:
     return [prefix] if tree is not None else []
 
 
-def _fill(template: Any, given: Any, path: str, problems: list[str]) -> Any:
+def _fill(template: Any, given: Any, path: str, problems: _Problems) -> Any:
     """``given`` with the empty entries of ``template`` put back; problems collected by path."""
     if isinstance(template, dict):
         if not isinstance(given, Mapping):
             if _has_data(template) or given is not None:
-                problems.append(f"'{path}': expected a dict of entries, got {describe(given)}")
+                problems.mismatched.append((path, "a dict of entries", describe(given)))
             return template if given is None else given
         names = {str(k) for k in template}
         out = {}
@@ -143,11 +155,11 @@ def _fill(template: Any, given: Any, path: str, problems: list[str]) -> Any:
             if key in given:
                 out[key] = _fill(sub, given[key], f"{path}/{key}", problems)
             elif _has_data(sub):
-                problems.extend(f"'{p}': missing" for p in _leaf_paths(sub, f"{path}/{key}"))
+                problems.missing.extend(_leaf_paths(sub, f"{path}/{key}"))
             else:
                 out[key] = sub
-        problems.extend(
-            f"'{path}/{key}': unexpected" for key in sorted(str(k) for k in given) if key not in names
+        problems.unexpected.extend(
+            f"{path}/{key}" for key in sorted(str(k) for k in given) if key not in names
         )
         return out
     _check_leaf(template, given, path, problems)
@@ -157,34 +169,37 @@ def _fill(template: Any, given: Any, path: str, problems: list[str]) -> Any:
 def restore(*entries: tuple[Any, Any, str]) -> list[Any]:
     """Each ``(template, state_dict, path)``: the template with its values from the state dict.
 
-        ``template`` is any pytree with flax serialization (concrete or from
-        ``jax.eval_shape``). Empty entries T5X drops when writing
-        (``optax.EmptyState``, ``optax.MaskedNode``) are put back. Values are kept
-        as given (T5X's ``from_state_dict``), after checking each against the
-        template: every missing entry, unexpected entry, shape mismatch, value of
-        another kind (integer for float, ``None``, a string) of all the entries is
-        listed, by path, in one :class:`~treeopt.serialization.StateDictError`.
+    ``template`` is any pytree with flax serialization (concrete or from
+    ``jax.eval_shape``). Empty entries T5X drops when writing
+    (``optax.EmptyState``, ``optax.MaskedNode``) are put back. Values are kept
+    as given (T5X's ``from_state_dict``), after checking each against the
+    template: every missing entry, unexpected entry, shape mismatch, value of
+    another kind (integer for float, ``None``, a string) of all the entries is
+    listed, by path, in one :class:`~treeopt.serialization.StateDictError`.
 
-        Example:
-            >>> import numpy as np
-            >>> restore(({"w": np.zeros(2, np.float32)}, {"w": np.ones(2, np.float32)}, "target"))
-            [{'w': array([1., 1.], dtype=float32)}]
-            >>> from treeopt.serialization import StateDictError
-            >>> try:
-            ...     restore(({"w": np.zeros(2, np.float32)}, {"w": np.ones(2, np.int32)}, "target"))
-            ... except StateDictError as e:
-            ...     print(e)
-            The state dict does not match this optimizer at 1 path(s):
-              'target/w': expected float32[2] (float), got int32[2] (integer)
+    Example:
+        >>> import numpy as np
+        >>> restore(({"w": np.zeros(2, np.float32)}, {"w": np.ones(2, np.float32)}, "target"))
+        [{'w': array([1., 1.], dtype=float32)}]
+        >>> from treeopt.serialization import StateDictError
+        >>> try:
+        ...     restore(({"w": np.zeros(2, np.float32)}, {"w": np.ones(2, np.int32)}, "target"))
+        ... except StateDictError as e:
+        ...     print(e)
+        The state dict does not match this optimizer:
+        shape/dtype mismatch (1):
+          target/w: expected float32[2] (float), got int32[2] (integer)
     """
-    problems: list[str] = []
+    problems = _Problems()
     filled = []
     for template, state_dict, path in entries:
         filled.append(_fill(to_state_dict(template), state_dict, path, problems))
     if problems:
-        raise StateDictError(
-            f"The state dict does not match this optimizer at {len(problems)} path(s):\n  "
-            + "\n  ".join(problems)
+        raise StateDictError.between(
+            "The state dict does not match this optimizer",
+            missing=problems.missing,
+            unexpected=problems.unexpected,
+            mismatched=problems.mismatched,
         )
     restored = [
         flax.serialization.from_state_dict(t, f) for (t, _, _), f in zip(entries, filled, strict=True)
@@ -243,20 +258,20 @@ def with_checksum(state_dict: Mapping[str, Any]) -> dict[str, Any]:
 def verify_checksum(state_dict: Mapping[str, Any], allowed: tuple[str, ...]) -> dict[str, Any]:
     """``state_dict`` without its checksum, which must match its contents (if it has one).
 
-        Top-level keys other than ``allowed`` (and the checksum) are refused: a
-        corrupted key would otherwise be ignored.
+    Top-level keys other than ``allowed`` (and the checksum) are refused: a
+    corrupted key would otherwise be ignored.
 
-        Example:
-            >>> sd = with_checksum({"target": {"w": 1.0}, "state": {"step": 0}})
-            >>> sorted(verify_checksum(sd, ("target", "state")))
-            ['state', 'target']
-            >>> sd["state"]["step"] = 1
-            >>> from treeopt.serialization import StateDictError
-            >>> try:
-            ...     verify_checksum(sd, ("target", "state"))
-            ... except StateDictError as e:
-            ...     print(str(e).split(":")[0])
-            The optimizer's checksum does not match its data
+    Example:
+        >>> sd = with_checksum({"target": {"w": 1.0}, "state": {"step": 0}})
+        >>> sorted(verify_checksum(sd, ("target", "state")))
+        ['state', 'target']
+        >>> sd["state"]["step"] = 1
+        >>> from treeopt.serialization import StateDictError
+        >>> try:
+        ...     verify_checksum(sd, ("target", "state"))
+        ... except StateDictError as e:
+        ...     print(str(e).split(":")[0])
+        The optimizer's checksum does not match its data
     """
     if not isinstance(state_dict, Mapping):
         raise StateDictError(f"Expected the optimizer's state dict (a dict), got {describe(state_dict)}.")

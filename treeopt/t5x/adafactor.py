@@ -803,7 +803,9 @@ def _leaves_like(treedef: Any, names: list[str], tree: Any, is_leaf: Any) -> lis
     missing = [n for n in names if n not in by_name]
     if missing:
         unexpected = sorted(set(by_name) - set(names))
-        raise TreeMismatchError.between("the tree", "the params", missing=missing, unexpected=unexpected)
+        raise TreeMismatchError.between(
+            "the tree does not match the params", missing=missing, unexpected=unexpected
+        )
     return [by_name[n] for n in names]
 
 
