@@ -12,7 +12,7 @@ import numpy as np
 import optax
 from jax.tree_util import GetAttrKey
 
-from treeopt import _specs, _state_dict
+from treeopt import _state_dict, _zero
 from treeopt import hyperparams as _hyperparams
 from treeopt._paths import is_nnx_graph, is_nnx_object
 from treeopt._trace_guard import (
@@ -495,7 +495,7 @@ class Optimizer:
             (P('data', 'model'), P('data',), P())
         """
         layout = self._require_layout()
-        state = _specs.optimizer_state_specs(
+        state = _zero.optimizer_state_specs(
             self.opt_state, layout, param_specs, shard_state_over=shard_state_over, mesh=mesh
         )
         return Optimizer._tree_unflatten(

@@ -30,18 +30,14 @@ from flax.core import meta
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from treeopt._specs import (
-    ZeroLeaf,
-    ZeroReport,
     check_axes,
     derive_spec,
     flat_param_specs,
     is_spec,
-    optimizer_state_specs,
     per_dimension_axes,
     spec_leaves_with_names,
-    zero_leaf_spec,
-    zero_plan,
 )
+from treeopt._zero import ZeroLeaf, ZeroReport, optimizer_state_specs, zero_leaf_spec, zero_plan
 from treeopt.optimizer import Optimizer
 
 __all__ = [
