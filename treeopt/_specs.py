@@ -32,7 +32,7 @@ from __future__ import annotations
 import functools
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import optax
@@ -273,10 +273,21 @@ def per_dimension_axes(
     return axes if len(set(axes.values())) == len(param_shape) else None
 
 
+class StateLeafSpec(NamedTuple):
+    """One leaf of an optax state, the parameter it belongs to and its derived spec."""
+
+    path: tuple[Any, ...]
+    """Its key path in the optax state."""
+    leaf: Any
+    param: str | None
+    """The name of the parameter that owns it, or ``None`` (counts, hyperparameters, RNG keys)."""
+    spec: PartitionSpec
+
+
 def state_leaf_specs(
     opt_state: Any, layout: ParamLayout, param_specs: Mapping[str, PartitionSpec]
-) -> tuple[Any, list[tuple[tuple[Any, ...], Any, str | None, PartitionSpec]]]:
-    """The treedef of ``opt_state`` and, per leaf, ``(path, leaf, owning param or None, spec)``."""
+) -> tuple[Any, list[StateLeafSpec]]:
+    """The treedef of ``opt_state`` and a :class:`StateLeafSpec` per leaf, in tree order."""
     shapes = {name: tuple(shape) for name, (shape, _) in zip(layout.names, layout.avals, strict=True)}
     flat, treedef = jax.tree_util.tree_flatten_with_path(opt_state)
     paths = [tuple(path) for path, _ in flat]
@@ -288,11 +299,11 @@ def state_leaf_specs(
         if owner is not None:
             groups[path[: owner + 1]].append((path[owner + 1 :], shape))
 
-    out: list[tuple[tuple[Any, ...], Any, str | None, PartitionSpec]] = []
+    out: list[StateLeafSpec] = []
     for (path, leaf), owner, shape in zip(flat, owners, leaf_shapes, strict=True):
         path = tuple(path)
         if owner is None:
-            out.append((path, leaf, None, PartitionSpec()))
+            out.append(StateLeafSpec(path, leaf, None, PartitionSpec()))
             continue
         name = path[owner].key
         param_shape, param_spec = shapes[name], param_specs[name]
@@ -303,5 +314,5 @@ def state_leaf_specs(
             spec = spec_of_entries([entry])
         else:
             spec = derive_spec(param_shape, param_spec, shape)
-        out.append((path, leaf, name, spec))
+        out.append(StateLeafSpec(path, leaf, name, spec))
     return treedef, out

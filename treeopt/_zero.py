@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -216,10 +216,31 @@ def _human(n: int) -> str:
     raise AssertionError  # pragma: no cover
 
 
+class ZeroLeafSpec(NamedTuple):
+    """What :func:`zero_leaf_spec` decided for one leaf.
+
+    Attributes:
+        spec: the leaf's ``PartitionSpec`` with the axes added, or the one given.
+        dim: the dimension that got the axes, or ``None``.
+        reason: why no dimension got them (``None`` when one did); the reasons
+            of :class:`ZeroLeaf`.
+
+    Example:
+        >>> from jax.sharding import PartitionSpec as P
+        >>> spec, dim, reason = ZeroLeafSpec(P("data"), 0, None)
+        >>> dim
+        0
+    """
+
+    spec: PartitionSpec
+    dim: int | None
+    reason: str | None
+
+
 def zero_leaf_spec(
     shape: Shape, spec: PartitionSpec, axes: Sequence[str], axis_sizes: Mapping[str, int]
-) -> tuple[PartitionSpec, int | None, str | None]:
-    """``(spec, dimension, reason)``: ``spec`` with ``axes`` added on one unsharded dimension they divide.
+) -> ZeroLeafSpec:
+    """``(spec, dim, reason)``: ``spec`` with ``axes`` added on one unsharded dimension they divide.
 
     The axes already in ``spec`` are not added again; the others go together on
     the largest unsharded dimension that the product of their sizes divides (the
@@ -229,32 +250,32 @@ def zero_leaf_spec(
         >>> from jax.sharding import PartitionSpec as P
         >>> sizes = {"data": 4, "model": 2}
         >>> zero_leaf_spec((16, 8), P(None, "model"), ["data"], sizes)
-        (P('data', 'model'), 0, None)
+        ZeroLeafSpec(spec=P('data', 'model'), dim=0, reason=None)
         >>> zero_leaf_spec((6, 8), P(), ["data"], sizes)           # 8 is divisible, 6 is not
-        (P(None, 'data'), 1, None)
+        ZeroLeafSpec(spec=P(None, 'data'), dim=1, reason=None)
         >>> zero_leaf_spec((6, 10), P(), ["data"], sizes)
-        (P(), None, 'not divisible')
+        ZeroLeafSpec(spec=P(), dim=None, reason='not divisible')
         >>> zero_leaf_spec((16,), P("data"), ["data"], sizes)      # FSDP: already there
-        (P('data',), None, 'already uses the axis')
+        ZeroLeafSpec(spec=P('data',), dim=None, reason='already uses the axis')
     """
     used = {name for entry in spec for name in axis_names_of(entry)}
     add = tuple(a for a in axes if a not in used)
     if not add:
-        return spec, None, ALREADY_USES_AXIS
+        return ZeroLeafSpec(spec, None, ALREADY_USES_AXIS)
     if not shape or math.prod(shape) == 0:
-        return spec, None, TOO_SMALL
+        return ZeroLeafSpec(spec, None, TOO_SMALL)
     padded = (*spec, *([None] * (len(shape) - len(spec))))
     free = [d for d in range(len(shape)) if padded[d] is None]
     if not free:
-        return spec, None, NO_FREE_DIMENSION
+        return ZeroLeafSpec(spec, None, NO_FREE_DIMENSION)
     n = math.prod(axis_sizes[a] for a in add)
     fits = [d for d in free if shape[d] >= n and shape[d] % n == 0]
     if not fits:
-        return spec, None, TOO_SMALL if max(shape[d] for d in free) < n else NOT_DIVISIBLE
+        return ZeroLeafSpec(spec, None, TOO_SMALL if max(shape[d] for d in free) < n else NOT_DIVISIBLE)
     dim = max(fits, key=lambda d: (shape[d], -d))
     entries = list(padded)
     entries[dim] = add[0] if len(add) == 1 else add
-    return spec_of_entries(entries), dim, None
+    return ZeroLeafSpec(spec_of_entries(entries), dim, None)
 
 
 def zero_plan(
@@ -309,7 +330,7 @@ def state_specs(
     """
     if shard_state_over is None:
         treedef, leaves = state_leaf_specs(opt_state, layout, param_specs)
-        return jax.tree_util.tree_unflatten(treedef, [spec for *_, spec in leaves])
+        return jax.tree_util.tree_unflatten(treedef, [leaf.spec for leaf in leaves])
     treedef, plan = zero_plan(opt_state, layout, param_specs, shard_state_over, mesh)
     return jax.tree_util.tree_unflatten(treedef, [leaf.zero_spec for leaf in plan.leaves])
 

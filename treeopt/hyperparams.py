@@ -25,6 +25,7 @@ import optax
 from jax.tree_util import DictKey, SequenceKey
 
 from treeopt._paths import path_to_name
+from treeopt.typing import OptState
 
 _INJECTED_STATES = (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState)
 
@@ -98,7 +99,7 @@ def _nodes(opt_state: Any) -> dict[tuple[Any, ...], Any]:
     }
 
 
-def get_hyperparams(opt_state: Any) -> Hyperparams:
+def get_hyperparams(opt_state: OptState) -> Hyperparams:
     """All injected hyperparameters of ``opt_state`` by (qualified) name.
 
     The result is a dict; its ``scheduled`` attribute names the hyperparameters
@@ -290,7 +291,7 @@ def _scheduled_error(key: str, name: str) -> ValueError:
     )
 
 
-def set_hyperparams(opt_state: Any, values: Mapping[str, Any]) -> Any:
+def set_hyperparams(opt_state: OptState, values: Mapping[str, Any]) -> OptState:
     """A copy of ``opt_state`` with the given injected hyperparameters replaced.
 
     Each value is checked and converted by :func:`checked_value`: a real

@@ -9,17 +9,20 @@ Example:
     >>> import jax.numpy as jnp
     >>> from treeopt.layout import ParamLayout
     >>> layout = ParamLayout.of({"dense": {"kernel": jnp.ones((2, 3)), "bias": jnp.zeros(3)}})
-    >>> flat, leaves = layout.split_params({"dense": {"kernel": jnp.ones((2, 3)), "bias": jnp.zeros(3)}})
+    >>> flat, rebuild = layout.split_params({"dense": {"kernel": jnp.ones((2, 3)), "bias": jnp.zeros(3)}})
     >>> sorted(flat)
     ['dense/bias', 'dense/kernel']
+    >>> rebuild({**flat, "dense/bias": jnp.ones(3)})["dense"]["bias"]
+    Array([1., 1., 1.], dtype=float32)
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections import Counter
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -38,8 +41,10 @@ from treeopt._paths import (
 )
 from treeopt.errors import TreeMismatchError, describe
 from treeopt.masks import name_matcher
+from treeopt.typing import FlatParams, Params, Updates
 
 __all__ = [
+    "Flattened",
     "ParamLayout",
     "Wrt",
     "is_float_array",
@@ -51,6 +56,27 @@ __all__ = [
 
 Wrt = Any
 """What ``wrt=`` accepts: None, a glob or sequence of globs, a ``(name, leaf)`` predicate, or an nnx filter."""
+
+
+class Flattened(NamedTuple):
+    """A tree's trained leaves by name, and the way back to a tree of the caller's type.
+
+    Attributes:
+        flat: ``{name: leaf}`` of the trained leaves, in the layout's order.
+        rebuild: ``rebuild(new_flat)`` gives the tree back with the trained
+            leaves taken from ``new_flat`` (an nnx Module is updated in place
+            and returned).
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> params = {"w": jnp.ones(2), "step": 0}
+        >>> flat, rebuild = ParamLayout.of(params).split_params(params)
+        >>> list(flat), rebuild({"w": jnp.zeros(2)})["step"]
+        (['w'], 0)
+    """
+
+    flat: FlatParams
+    rebuild: Callable[[FlatParams], Params]
 
 
 def is_float_array(leaf: Any) -> bool:
@@ -204,7 +230,7 @@ class ParamLayout:
         self._views: dict[Any, tuple[tuple[int, ...], tuple[int, ...] | None]] = {}
 
     @classmethod
-    def of(cls, params: Any, wrt: Wrt = None) -> ParamLayout:
+    def of(cls, params: Params, wrt: Wrt = None) -> ParamLayout:
         """The layout of ``params``; ``wrt`` selects the trainable leaves.
 
         ``wrt=None`` selects the floating-point array leaves, except those held by
@@ -265,24 +291,26 @@ class ParamLayout:
 
     # -- params --------------------------------------------------------------
 
-    def split_params(self, params: Any) -> tuple[dict[str, Any], list[Any]]:
-        """``({name: trainable leaf}, all leaves)`` of ``params``, checked against this layout."""
+    def split_params(self, params: Params) -> Flattened:
+        """The trainable leaves of ``params`` by name, checked against this layout, and ``rebuild``."""
         leaves, treedef = jax.tree.flatten(params)
         if treedef != self.treedef:
             self._raise_structure_error(params, "params")
         trainable = [leaves[i] for i in self.index]
         self._check_avals(trainable, "params")
-        return dict(zip(self.names, trainable, strict=True)), leaves
+        return Flattened(
+            dict(zip(self.names, trainable, strict=True)), functools.partial(self.merge_params, leaves)
+        )
 
-    def merge_params(self, leaves: list[Any], flat: dict[str, Any]) -> Any:
+    def merge_params(self, leaves: list[Any], flat: FlatParams) -> Params:
         """``params`` rebuilt from its ``leaves`` with the trainable ones taken from ``flat``."""
         leaves = list(leaves)
         for name, i in zip(self.names, self.index, strict=True):
             leaves[i] = flat[name]
         return self.treedef.unflatten(leaves)
 
-    def split_module(self, module: Any) -> tuple[dict[str, Any], Callable[[dict[str, Any]], Any]]:
-        """``({name: trainable leaf}, write)`` of an nnx Module; ``write(flat)`` updates it in place.
+    def split_module(self, module: Params) -> Flattened:
+        """``(flat, write)`` of an nnx Module: its trainable leaves by name; ``write(flat)`` updates it in place.
 
         ``write`` puts new values into the module's ``Variable``s, as
         ``nnx.Optimizer.update`` does, and returns the module itself. The
@@ -312,7 +340,7 @@ class ParamLayout:
         trainable = [leaves[i] for i in index]
         self._check_avals(trainable, "params")
 
-        def write(flat: dict[str, Any]) -> Any:
+        def write(flat: FlatParams) -> Params:
             if slots is not None:
                 nodes = jax.tree.leaves(module, is_leaf=is_nnx_variable)
                 for name, slot in zip(self.names, slots, strict=True):
@@ -326,9 +354,9 @@ class ParamLayout:
             nnx.update(module, nnx.state(treedef.unflatten(new)))
             return module
 
-        return dict(zip(self.names, trainable, strict=True)), write
+        return Flattened(dict(zip(self.names, trainable, strict=True)), write)
 
-    def trained_positions(self, params: Any, treedef: Any) -> tuple[int, ...]:
+    def trained_positions(self, params: Params, treedef: Any) -> tuple[int, ...]:
         """Where the trained leaves sit among ``jax.tree.leaves(params)`` (``treedef`` is its structure).
 
         Example:
@@ -361,8 +389,8 @@ class ParamLayout:
 
     # -- grads ---------------------------------------------------------------
 
-    def split_grads(self, grads: Any) -> tuple[dict[str, Any], Callable[[dict[str, Any]], Any]]:
-        """``({name: grad}, rebuild)`` where ``rebuild(updates)`` puts a flat dict back in grads' shape.
+    def split_grads(self, grads: Updates) -> Flattened:
+        """``(flat, rebuild)``: the grads by name; ``rebuild(updates)`` puts a flat dict back in grads' shape.
 
         Grads shaped exactly like params are matched by position. Others (an
         equinox ``filter_grad`` with ``None`` for non-arrays, a dict holding
@@ -377,13 +405,13 @@ class ParamLayout:
         flat = {name: leaves[positions[name]] for name in self.names}
         self._check_avals(list(flat.values()), "grads")
 
-        def rebuild(updates: dict[str, Any]) -> Any:
+        def rebuild(updates: FlatParams) -> Updates:
             out = [jnp.zeros_like(leaf) if is_float_array(leaf) else leaf for leaf in leaves]
             for name, i in positions.items():
                 out[i] = updates[name]
             return treedef_.unflatten(out)
 
-        return flat, rebuild
+        return Flattened(flat, rebuild)
 
     def _positions_by_name(self, grads: Any, treedef: Any) -> dict[str, int]:
         names = leaf_names(grads)

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from treeopt._paths import leaf_names
+from treeopt.typing import Params, TreeFn
 
 
 def name_matcher(patterns: str | Iterable[str], regex: bool = False) -> Callable[[str], bool]:
@@ -36,7 +37,7 @@ def name_matcher(patterns: str | Iterable[str], regex: bool = False) -> Callable
     return lambda name: any(c.match(name) for c in compiled)
 
 
-def _map_names(fn: Callable[[str], Any], params: Any) -> Any:
+def _map_names(fn: Callable[[str], Any], params: Params) -> Any:
     dtype = getattr(params, "dtype", None)
     if dtype is not None and jnp.issubdtype(dtype, jnp.integer):
         # optax.inject_hyperparams calls non-static callables with the integer step count;
@@ -50,7 +51,7 @@ def _map_names(fn: Callable[[str], Any], params: Any) -> Any:
     return jax.tree.map(lambda _: fn(next(names)), params)
 
 
-def mask(*patterns: str, regex: bool = False, invert: bool = False) -> Callable[[Any], Any]:
+def mask(*patterns: str, regex: bool = False, invert: bool = False) -> TreeFn:
     """A mask callable: True where a parameter's name matches one of ``patterns``.
 
     Use it wherever optax takes a mask (``optax.masked``, ``optax.adamw(mask=...)``).
@@ -72,7 +73,7 @@ def labels(
     rules: Mapping[str, str] | Sequence[tuple[str, str]],
     default: str | None = None,
     regex: bool = False,
-) -> Callable[[Any], Any]:
+) -> TreeFn:
     """A labels callable for ``optax.multi_transform`` / ``optax.partition``: first matching rule wins.
 
     Names that match no rule get ``default``; with no default they are an error

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -25,7 +24,7 @@ from treeopt._trace_guard import (
 )
 from treeopt.layout import ParamLayout, Wrt, is_lookahead
 from treeopt.step import FlatStep, flat_step, stable_dtypes
-from treeopt.typing import Params, StateDict, Updates
+from treeopt.typing import Params, ParamSpecs, StateDict, Updates
 
 __all__ = ["FlatStep", "Optimizer", "flat_step"]
 
@@ -303,20 +302,17 @@ class Optimizer:
         if not self._lookahead:
             if is_nnx_graph(params):  # an nnx Module: updated in place, as nnx.Optimizer does
                 return layout.split_module(params)
-            flat, leaves = layout.split_params(params)
-            return flat, functools.partial(layout.merge_params, leaves)
+            return layout.split_params(params)
         if not is_lookahead(params):
             raise TypeError(
                 "This optimizer was initialized with optax.LookaheadParams; pass params "
                 f"of that type to update, got {type(params).__name__}."
             )
-        fast, fast_leaves = layout.split_params(params.fast)
-        slow, slow_leaves = layout.split_params(params.slow)
+        fast, rebuild_fast = layout.split_params(params.fast)
+        slow, rebuild_slow = layout.split_params(params.slow)
 
         def merge(flat: Any) -> Any:
-            return optax.LookaheadParams(
-                layout.merge_params(fast_leaves, flat.fast), layout.merge_params(slow_leaves, flat.slow)
-            )
+            return optax.LookaheadParams(rebuild_fast(flat.fast), rebuild_slow(flat.slow))
 
         return optax.LookaheadParams(fast, slow), merge
 
@@ -419,7 +415,7 @@ class Optimizer:
 
     def partition_specs(
         self,
-        param_specs: Any,
+        param_specs: ParamSpecs,
         *,
         shard_state_over: str | Sequence[str] | None = None,
         mesh: jax.sharding.Mesh | None = None,

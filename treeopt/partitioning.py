@@ -37,11 +37,13 @@ from treeopt._specs import (
     per_dimension_axes,
     spec_leaves_with_names,
 )
-from treeopt._zero import ZeroLeaf, ZeroReport, optimizer_state_specs, zero_leaf_spec, zero_plan
+from treeopt._zero import ZeroLeaf, ZeroLeafSpec, ZeroReport, optimizer_state_specs, zero_leaf_spec, zero_plan
 from treeopt.optimizer import Optimizer
+from treeopt.typing import Params, ParamSpecs
 
 __all__ = [
     "ZeroLeaf",
+    "ZeroLeafSpec",
     "ZeroReport",
     "derive_spec",
     "init_sharded",
@@ -98,7 +100,7 @@ def named_shardings(specs: Any, mesh: Mesh) -> Any:
     return jax.tree_util.tree_map_with_path(one, specs, is_leaf=is_spec)
 
 
-def logical_to_mesh_specs(logical_specs: Any, rules: LogicalRules) -> Any:
+def logical_to_mesh_specs(logical_specs: ParamSpecs, rules: LogicalRules) -> ParamSpecs:
     """Logical ``PartitionSpec``s (flax linen axis names) to mesh ones, with flax's rules.
 
     Each spec goes through ``flax.linen.logical_to_mesh_axes(spec, rules)``:
@@ -120,7 +122,7 @@ def logical_to_mesh_specs(logical_specs: Any, rules: LogicalRules) -> Any:
     )
 
 
-def param_specs_of(params: Any) -> Any:
+def param_specs_of(params: Params) -> ParamSpecs:
     """The ``PartitionSpec`` tree of ``params``, shaped like it.
 
     A flax ``Partitioned``/``LogicallyPartitioned`` box (``nn.with_partitioning``,
@@ -146,7 +148,9 @@ def param_specs_of(params: Any) -> Any:
     return jax.tree.map(one, params, is_leaf=lambda x: isinstance(x, meta.AxisMetadata))
 
 
-def _mesh_param_specs(opt: Optimizer, param_specs: Any, mesh: Mesh | None, rules: LogicalRules | None) -> Any:
+def _mesh_param_specs(
+    opt: Optimizer, param_specs: ParamSpecs, mesh: Mesh | None, rules: LogicalRules | None
+) -> ParamSpecs:
     if _has_boxes(param_specs):
         param_specs = param_specs_of(param_specs)
     if rules is not None:
@@ -166,7 +170,7 @@ def _optimizer_shaped(opt: Optimizer, state_specs: Any) -> Optimizer:
 
 def optimizer_specs(
     opt: Optimizer,
-    param_specs: Any,
+    param_specs: ParamSpecs,
     *,
     rules: LogicalRules | None = None,
     shard_state_over: AxisNames | None = None,
@@ -210,7 +214,7 @@ def optimizer_specs(
 
 def optimizer_shardings(
     opt: Optimizer,
-    param_specs: Any,
+    param_specs: ParamSpecs,
     mesh: Mesh,
     *,
     rules: LogicalRules | None = None,
@@ -254,7 +258,7 @@ def optimizer_shardings(
 
 def zero_report(
     opt: Optimizer,
-    param_specs: Any,
+    param_specs: ParamSpecs,
     mesh: Mesh,
     shard_state_over: AxisNames = "data",
     *,
@@ -313,9 +317,9 @@ def _unbox(tree: Any) -> Any:
 
 def init_sharded(
     opt: Optimizer,
-    params: Any,
+    params: Params,
     mesh: Mesh,
-    param_specs: Any = None,
+    param_specs: ParamSpecs = None,
     *,
     rules: LogicalRules | None = None,
     shard_state_over: AxisNames | None = None,

@@ -11,11 +11,13 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, TypeAlias
 
 import jax
+import optax
 
-__all__ = ["FlatParams", "Params", "StateDict", "Updates"]
+__all__ = ["FlatParams", "OptState", "ParamSpecs", "Params", "StateDict", "TreeFn", "Updates"]
 
 Params: TypeAlias = Any
 """A pytree of parameters: nested dicts, a flax ``FrozenDict``, an nnx Module or
@@ -29,3 +31,14 @@ FlatParams: TypeAlias = dict[str, jax.Array]
 
 StateDict: TypeAlias = dict[str, Any]
 """Nested plain dicts of arrays keyed by state field and parameter name: ``opt.state_dict()``."""
+
+OptState: TypeAlias = optax.OptState
+"""An optax state: what ``tx.init`` returns, here over the flat ``{name: param}`` dict (``opt.opt_state``)."""
+
+ParamSpecs: TypeAlias = Any
+"""A tree shaped like the params (or the flat ``{name: spec}`` dict) with a
+``jax.sharding.PartitionSpec``, or ``None`` for replicated, at each parameter."""
+
+TreeFn: TypeAlias = Callable[[Params], Any]
+"""A function of a params tree that returns a tree of the same shape: a mask
+(``bool`` leaves) or labels (``str`` leaves), as optax takes them."""
