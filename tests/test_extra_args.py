@@ -14,6 +14,8 @@ writes them for nested params. Checked against raw optax on nested params:
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -23,6 +25,9 @@ from flax import nnx
 
 import treeopt
 from treeopt.optimizer import flat_step
+
+import _helpers
+from _helpers import assert_trees_equal
 
 EAGER_TOL = {"rtol": 1e-5, "atol": 1e-6}
 
@@ -38,14 +43,8 @@ def objective(params):
     return fit + (params["head"][1] - 1.0) ** 2 + 0.1 * jnp.sum(params["encoder"]["w"] ** 4)
 
 
-def run_raw(tx, params, steps, jit, **value_fn):
-    state = tx.init(params)
-
-    def step(params, state):
-        value, grad = jax.value_and_grad(objective)(params)
-        updates, state = tx.update(grad, state, params, value=value, grad=grad, **value_fn)
-        return optax.apply_updates(params, updates), state, value
-
+def run(step, params, state, steps, jit):
+    """``steps`` calls of ``step(params, state) -> (params, state, value)``: the params and the values."""
     step = jax.jit(step) if jit else step
     values = []
     for _ in range(steps):
@@ -54,32 +53,25 @@ def run_raw(tx, params, steps, jit, **value_fn):
     return params, values
 
 
-def run_treeopt(tx, params, steps, jit, **value_fn):
-    opt = treeopt.Optimizer(tx).init(params)
+def run_raw(tx, params, steps, jit, **value_fn):
+    def step(params, state):
+        value, grad = jax.value_and_grad(objective)(params)
+        updates, state = tx.update(grad, state, params, value=value, grad=grad, **value_fn)
+        return optax.apply_updates(params, updates), state, value
 
+    return run(step, params, tx.init(params), steps, jit)
+
+
+def run_treeopt(tx, params, steps, jit, **value_fn):
     def step(params, opt):
         value, grad = jax.value_and_grad(objective)(params)
         params = opt.update(grad, params, value=value, grad=grad, **value_fn)
         return params, opt, value
 
-    step = jax.jit(step) if jit else step
-    values = []
-    for _ in range(steps):
-        params, opt, value = step(params, opt)
-        values.append(float(value))
-    return params, values
+    return run(step, params, treeopt.Optimizer(tx).init(params), steps, jit)
 
 
-def assert_trees_equal(a, b):
-    assert jax.tree.structure(a) == jax.tree.structure(b)
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-
-
-def assert_trees_close(a, b):
-    assert jax.tree.structure(a) == jax.tree.structure(b)
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        np.testing.assert_allclose(np.asarray(x), np.asarray(y), **EAGER_TOL)
+assert_trees_close = functools.partial(_helpers.assert_trees_close, **EAGER_TOL)
 
 
 # -- L-BFGS (zoom line search: value, grad and value_fn) --------------------------------
@@ -241,5 +233,7 @@ def test_flat_step_takes_functions_and_unhashable_objects_eagerly():
         def __call__(self, u):
             return -u
 
-    out = flat_step(tx, jnp.int32(0), optax.EmptyState(), params, params, extra_args={"scale_fn": Unhashable()})
+    out = flat_step(
+        tx, jnp.int32(0), optax.EmptyState(), params, params, extra_args={"scale_fn": Unhashable()}
+    )
     np.testing.assert_array_equal(out.output["w"], [0.0, 0.0])

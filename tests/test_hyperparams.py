@@ -95,7 +95,8 @@ def test_learning_rate_set_inside_jit_from_a_traced_value():
     assert float(opt.learning_rate) == 0.5
 
 
-def test_repeated_names_are_qualified_by_label():
+def two_labels_opt():
+    """``learning_rate`` injected twice: 0.1 for the kernel (label ``decay``), 0.2 for the rest (``plain``)."""
     tx = optax.multi_transform(
         {
             "decay": optax.inject_hyperparams(optax.adamw)(learning_rate=0.1),
@@ -103,7 +104,11 @@ def test_repeated_names_are_qualified_by_label():
         },
         treeopt.labels({"*kernel": "decay"}, default="plain"),
     )
-    opt = treeopt.Optimizer(tx).init(PARAMS)
+    return treeopt.Optimizer(tx).init(PARAMS)
+
+
+def test_repeated_names_are_qualified_by_label():
+    opt = two_labels_opt()
     assert float(opt.hyperparams["decay/learning_rate"]) == pytest.approx(0.1)
     assert float(opt.hyperparams["plain/learning_rate"]) == pytest.approx(0.2)
     with pytest.raises(AttributeError, match=r"occurs several times; set one of \['decay/learning_rate'"):
@@ -160,7 +165,9 @@ def test_integer_hyperparameter_keeps_its_dtype_for_integers_in_range_and_refuse
     dtype = opt.learning_rate.dtype
     opt.learning_rate = 3
     assert opt.learning_rate.dtype == dtype and int(opt.learning_rate) == 3
-    with pytest.raises(ValueError, match=r"'learning_rate' \(int32\[\]\): expected a value in the int32 range"):
+    with pytest.raises(
+        ValueError, match=r"'learning_rate' \(int32\[\]\): expected a value in the int32 range"
+    ):
         opt.learning_rate = 2**40
     with pytest.raises(ValueError, match=r"'learning_rate'.*int32 range.*got int 1180591620717411303424"):
         opt.learning_rate = 2**70
@@ -182,7 +189,11 @@ def test_integer_hyperparameter_keeps_its_dtype_for_integers_in_range_and_refuse
         (jnp.asarray(jnp.nan), ValueError, r"expected a finite number, got a float32\[\] array"),
         (jnp.ones(3), ValueError, r"expected a scalar, got a float32\[3\] array"),
         ([0.1], ValueError, r"expected a scalar, got list \[0.1\]"),
-        (1e40, ValueError, r"expected a value in the float32 range \[-3.40282e\+38, 3.40282e\+38\], got float 1e\+40"),
+        (
+            1e40,
+            ValueError,
+            r"expected a value in the float32 range \[-3.40282e\+38, 3.40282e\+38\], got float 1e\+40",
+        ),
         (object(), TypeError, "expected a real number, got object"),
     ],
     ids=lambda v: None if isinstance(v, (type, str)) else repr(v)[:20],
@@ -190,20 +201,15 @@ def test_integer_hyperparameter_keeps_its_dtype_for_integers_in_range_and_refuse
 def test_invalid_values_are_refused_naming_the_hyperparameter(value, error, message):
     opt = sgd_opt(learning_rate=0.1)
     before = opt.opt_state
-    with pytest.raises(error, match=r"^Cannot set hyperparameter 'learning_rate' \(float32\[\]\): " + message):
+    with pytest.raises(
+        error, match=r"^Cannot set hyperparameter 'learning_rate' \(float32\[\]\): " + message
+    ):
         opt.learning_rate = value
     assert opt.opt_state is before
 
 
 def test_refusals_name_the_qualified_hyperparameter():
-    tx = optax.multi_transform(
-        {
-            "decay": optax.inject_hyperparams(optax.adamw)(learning_rate=0.1),
-            "plain": optax.inject_hyperparams(optax.sgd)(learning_rate=0.2),
-        },
-        treeopt.labels({"*kernel": "decay"}, default="plain"),
-    )
-    opt = treeopt.Optimizer(tx).init(PARAMS)
+    opt = two_labels_opt()
     with pytest.raises(TypeError, match=r"Cannot set hyperparameter 'decay/learning_rate' .* got None"):
         opt.set_hyperparams({"decay/learning_rate": None})
     with pytest.raises(ValueError, match=r"'plain/learning_rate' .*finite.* got float nan"):
@@ -219,7 +225,9 @@ def test_a_hyperparameter_array_takes_a_scalar_or_exactly_its_shape():
     got = treeopt.get_hyperparams(new)["learning_rate"]
     assert got.dtype == jnp.float32
     np.testing.assert_array_equal(got, [0.25, 0.75])
-    with pytest.raises(ValueError, match=r"\(float32\[2\]\): expected a scalar or a float32\[2\] array, got a"):
+    with pytest.raises(
+        ValueError, match=r"\(float32\[2\]\): expected a scalar or a float32\[2\] array, got a"
+    ):
         treeopt.set_hyperparams(state, {"learning_rate": np.ones(3)})
 
 

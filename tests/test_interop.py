@@ -15,6 +15,8 @@ Params are compared with ``rtol=1e-5, atol=1e-6`` (``TOL``).
 
 from __future__ import annotations
 
+import functools
+
 import equinox as eqx
 import flax
 import flax.linen as nn
@@ -27,6 +29,8 @@ import treeo as to
 from flax import nnx
 
 import treeopt
+
+import _helpers
 
 STEPS = 30
 LR = 3e-2
@@ -61,6 +65,11 @@ def train_treeopt(loss_fn, params, steps: int = STEPS, **opt_kwargs):
         params = opt.update(grads, params)
         return params, opt, loss
 
+    return run_steps(step, params, opt, loss_fn, steps)
+
+
+def run_steps(step, params, opt, loss_fn, steps: int = STEPS):
+    """``steps`` calls of ``step(params, opt) -> (params, opt, loss)``; the losses end with the final one."""
     losses = []
     for _ in range(steps):
         params, opt, loss = step(params, opt)
@@ -85,10 +94,7 @@ def train_optax(loss_fn, params, steps: int = STEPS):
     return params
 
 
-def assert_trees_close(actual, expected) -> None:
-    assert jax.tree.structure(actual) == jax.tree.structure(expected)
-    for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(e), **TOL)
+assert_trees_close = functools.partial(_helpers.assert_trees_close, **TOL)
 
 
 def assert_loss_went_down(losses: list[float]) -> None:
@@ -182,6 +188,17 @@ class NnxMLP(nnx.Module):
         return self.layers[1](jnp.tanh(h))
 
 
+# What NnxMLP(..., batch_norm=True) trains: its Params, not the BatchNorm statistics.
+NNX_MLP_PARAM_NAMES = (
+    "layers/0/bias",
+    "layers/0/kernel",
+    "layers/1/bias",
+    "layers/1/kernel",
+    "norm/bias",
+    "norm/scale",
+)
+
+
 def test_flax_nnx_split_state():
     model = NnxMLP(nnx.Rngs(1))
     graphdef, state = nnx.split(model)
@@ -222,14 +239,7 @@ def test_flax_nnx_batchnorm_only_params_trained():
         return loss, nnx.split(model, nnx.Param, ...)[2]
 
     opt = treeopt.Optimizer(optax.adam(LR)).init(params)
-    assert opt.paths == (
-        "layers/0/bias",
-        "layers/0/kernel",
-        "layers/1/bias",
-        "layers/1/kernel",
-        "norm/bias",
-        "norm/scale",
-    )
+    assert opt.paths == NNX_MLP_PARAM_NAMES
 
     @jax.jit
     def step(params, rest, opt):
@@ -312,14 +322,7 @@ def test_flax_nnx_module_passed_whole_through_jax_jit():
         return mse(model(X))
 
     opt = treeopt.Optimizer(optax.adam(LR)).init(model)
-    assert opt.paths == (
-        "layers/0/bias",
-        "layers/0/kernel",
-        "layers/1/bias",
-        "layers/1/kernel",
-        "norm/bias",
-        "norm/scale",
-    )
+    assert opt.paths == NNX_MLP_PARAM_NAMES
 
     @jax.jit
     def step(model, opt):
@@ -327,11 +330,7 @@ def test_flax_nnx_module_passed_whole_through_jax_jit():
         assert opt.update(grads, model) is model  # in place, on this trace's copy
         return model, opt, loss
 
-    losses = []
-    for _ in range(STEPS):
-        model, opt, loss = step(model, opt)
-        losses.append(float(loss))
-    losses.append(float(loss_fn(model)))
+    model, opt, losses = run_steps(step, model, opt, loss_fn)
 
     assert_loss_went_down(losses)
     assert isinstance(model, NnxMLP) and model.tag == "mlp" and int(model.calls[...]) == 5

@@ -21,6 +21,8 @@ from treeopt.t5x import adafactor
 from treeopt.t5x.adafactor import Adafactor, FactorDim, HParamMap, _AdafactorParamState
 from treeopt.t5x.optimizers import MultiOptimizer, OptimizerState
 
+from _helpers import assert_trees_close
+
 
 def test_import_prefix_is_the_only_change():
     import treeopt.t5x
@@ -173,13 +175,14 @@ def test_learning_rate_override_equals_the_constructor_value():
 
 def test_other_options_change_the_step_as_documented():
     params, grads_fn = params_and_grads()
-    base = run_legacy(Adafactor(learning_rate=0.05, min_dim_size_to_factor=2), params, grads_fn, steps=1)
-    capped = run_legacy(
-        Adafactor(learning_rate=0.05, min_dim_size_to_factor=2, max_parameter_scale=0.1),
-        params,
-        grads_fn,
-        steps=1,
-    )
+
+    def one_step(**options):
+        return run_legacy(
+            Adafactor(learning_rate=0.05, min_dim_size_to_factor=2, **options), params, grads_fn, steps=1
+        )
+
+    base = one_step()
+    capped = one_step(max_parameter_scale=0.1)
     # The parameter scale of dense/kernel is its RMS (~0.62); capped at 0.1 the step shrinks.
     step = np.abs(np.asarray(params["dense"]["kernel"] - base.target["dense"]["kernel"]))
     capped_step = np.abs(np.asarray(params["dense"]["kernel"] - capped.target["dense"]["kernel"]))
@@ -187,40 +190,13 @@ def test_other_options_change_the_step_as_documented():
     np.testing.assert_allclose(capped_step, step * 0.1 / rms, rtol=1e-5)
 
     # weight_decay_rate_lr_exponent=1 with no weight_decay_rate: a decay of 1 * lr ** 1.
-    exponent = run_legacy(
-        Adafactor(learning_rate=0.05, min_dim_size_to_factor=2, weight_decay_rate_lr_exponent=1.0),
-        params,
-        grads_fn,
-        steps=1,
-    )
-    decayed = run_legacy(
-        Adafactor(learning_rate=0.05, min_dim_size_to_factor=2, weight_decay_rate=0.05),
-        params,
-        grads_fn,
-        steps=1,
-    )
-    for a, e in zip(jax.tree.leaves(exponent.target), jax.tree.leaves(decayed.target), strict=True):
-        np.testing.assert_allclose(a, e, rtol=1e-6)
+    exponent = one_step(weight_decay_rate_lr_exponent=1.0)
+    decayed = one_step(weight_decay_rate=0.05)
+    assert_trees_close(exponent.target, decayed.target, rtol=1e-6)
     # With weight_decay_rate=0.5 as well: 0.5 * 0.05.
-    both = run_legacy(
-        Adafactor(
-            learning_rate=0.05,
-            min_dim_size_to_factor=2,
-            weight_decay_rate=0.5,
-            weight_decay_rate_lr_exponent=1.0,
-        ),
-        params,
-        grads_fn,
-        steps=1,
-    )
-    quarter = run_legacy(
-        Adafactor(learning_rate=0.05, min_dim_size_to_factor=2, weight_decay_rate=0.025),
-        params,
-        grads_fn,
-        steps=1,
-    )
-    for a, e in zip(jax.tree.leaves(both.target), jax.tree.leaves(quarter.target), strict=True):
-        np.testing.assert_allclose(a, e, rtol=1e-6)
+    both = one_step(weight_decay_rate=0.5, weight_decay_rate_lr_exponent=1.0)
+    quarter = one_step(weight_decay_rate=0.025)
+    assert_trees_close(both.target, quarter.target, rtol=1e-6)
 
 
 def test_momentum_dtype():

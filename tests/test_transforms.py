@@ -21,6 +21,8 @@ from jax.sharding import PartitionSpec as P
 
 import treeopt
 
+import _helpers
+
 TOL = {"rtol": 1e-5, "atol": 1e-6}
 GRAD_TOL = {"rtol": 1e-4, "atol": 1e-6}
 STEPS = 5
@@ -43,10 +45,7 @@ def loss_fn(params, x=X, y=Y):
     return jnp.mean((h @ params["head"]["kernel"] - y) ** 2)
 
 
-def assert_trees_close(actual, expected, tol=TOL) -> None:
-    assert jax.tree.structure(actual) == jax.tree.structure(expected)
-    for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(e), **tol)
+assert_trees_close = functools.partial(_helpers.assert_trees_close, **TOL)
 
 
 def treeopt_step(params, opt):
@@ -295,7 +294,7 @@ def test_meta_gradient_wrt_params_through_jitted_updates():
 
     meta = jax.grad(outer)(params, opt)
     expected = jax.jit(jax.grad(raw_outer))(params)
-    assert_trees_close(meta, expected, GRAD_TOL)
+    assert_trees_close(meta, expected, **GRAD_TOL)
     assert float(jnp.abs(meta["dense"]["kernel"]).max()) > 0
 
 
@@ -349,7 +348,7 @@ def test_grad_of_eager_function_taking_and_returning_the_optimizer():
     (value, opt), meta = jax.value_and_grad(outer, has_aux=True)(params, opt)
     (raw_value, raw_state), raw_meta = jax.jit(jax.value_and_grad(raw_outer, has_aux=True))(params)
     np.testing.assert_allclose(float(value), float(raw_value), **TOL)
-    assert_trees_close(meta, raw_meta, GRAD_TOL)
+    assert_trees_close(meta, raw_meta, **GRAD_TOL)
     assert int(opt.step) == 2
     assert_trees_close(jax.tree.leaves(opt.opt_state), jax.tree.leaves(raw_state))
 

@@ -1,0 +1,22 @@
+"""Assertions shared by the test modules: trees compared leaf by leaf."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+
+
+def assert_trees_equal(actual: Any, expected: Any) -> None:
+    """Same structure and the same values, bit for bit."""
+    assert jax.tree.structure(actual) == jax.tree.structure(expected)
+    for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(e))
+
+
+def assert_trees_close(actual: Any, expected: Any, **tol: float) -> None:
+    """Same structure and values within ``tol`` (``rtol=``, ``atol=`` of ``np.testing.assert_allclose``)."""
+    assert jax.tree.structure(actual) == jax.tree.structure(expected)
+    for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(e), **tol)
