@@ -213,6 +213,30 @@ def interleaved(steppers: Sequence[Stepper], warmup: int, rounds: int, per_round
         gc.enable()
 
 
+def timed_pass(
+    names: Sequence[str],
+    build: Callable[[str], tuple[Stepper, dict[str, float] | None]],
+    warmup: int,
+    rounds: int,
+    per_round: int,
+) -> tuple[list[Stepper], dict[str, dict[str, float]]]:
+    """Builds (and compiles) the variants in the order given, then times them side by side.
+
+    ``build(name)`` returns the variant's :class:`Stepper` and its compile
+    stages (or ``None``); each stepper's first call is timed alone
+    (:func:`first_call`), then all are timed by :func:`interleaved`.
+    """
+    steppers, stages = [], {}
+    for name in names:
+        stepper, compiled = build(name)
+        first_call(stepper)
+        steppers.append(stepper)
+        if compiled is not None:
+            stages[name] = compiled
+    interleaved(steppers, warmup, rounds, per_round)
+    return steppers, stages
+
+
 def release() -> None:
     """Drops JAX's caches of compiled programs between configurations: the large ones hold GBs."""
     jax.clear_caches()

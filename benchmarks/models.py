@@ -135,3 +135,23 @@ def nnx_bn_mlp(n_blocks: int, width: int, seed: int = 0) -> Any:
             return jnp.mean((self.head(x) - 1.0) ** 2)
 
     return Net(nnx.Rngs(seed, dropout=seed + 1))
+
+
+def nnx_optimizer_split_merge(model: Any, tx: optax.GradientTransformation) -> tuple[Callable[..., Any], Any]:
+    """``(step, state)``: ``nnx.Optimizer`` over ``model``, split once, merged inside ``jax.jit`` (donated).
+
+    ``step(state, x)`` returns ``(state, loss)``, the way an nnx user writes a
+    ``jax.jit`` loop with ``nnx.split`` / ``nnx.merge``.
+    """
+    from flax import nnx
+
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    graphdef, state = nnx.split((model, optimizer))
+
+    def split_merge_step(state: Any, x: jax.Array) -> Any:
+        model, optimizer = nnx.merge(graphdef, state)
+        loss, grads = nnx.value_and_grad(lambda m: m.loss(x))(model)
+        optimizer.update(model, grads)
+        return nnx.state((model, optimizer)), loss
+
+    return jax.jit(split_merge_step, donate_argnums=(0,)), state

@@ -29,7 +29,7 @@ import optax
 
 import treeopt
 from benchmarks import models
-from benchmarks._common import Profile, Row, Stepper, first_call, interleaved, median_ms, release, spread
+from benchmarks._common import Profile, Row, Stepper, median_ms, release, spread, timed_pass
 
 CASE = "nnx_loop"
 CHECKED_LOSSES = 2  # the first steps of every variant, compared bit for bit (untimed: warmup)
@@ -110,19 +110,7 @@ def make_treeopt_split(tx: optax.GradientTransformation, build: Callable[[], Any
 
 
 def make_nnx_split_merge(tx: optax.GradientTransformation, build: Callable[[], Any], x: jax.Array) -> Recorder:
-    from flax import nnx
-
-    model = build()
-    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
-    graphdef, state = nnx.split((model, optimizer))
-
-    def step(state: Any, x: jax.Array) -> Any:
-        model, optimizer = nnx.merge(graphdef, state)
-        loss, grads = nnx.value_and_grad(lambda m: m.loss(x))(model)
-        optimizer.update(model, grads)
-        return nnx.state((model, optimizer)), loss
-
-    jitted = jax.jit(step, donate_argnums=(0,))
+    jitted, state = models.nnx_optimizer_split_merge(build(), tx)
     carry = [state]
 
     def run() -> Any:
@@ -223,11 +211,14 @@ def run(profile: Profile, log: Callable[[str], None] = print) -> list[Row]:
         recorders = {
             name: make(tx, lambda n=n_blocks, w=width: models.nnx_bn_mlp(n, w), x) for name, make in VARIANTS.items()
         }
-        steppers = [Stepper(name, rec.step) for name, rec in recorders.items()]
-        for s in steppers:
-            first_call(s)
         log(f"[{CASE}] {config}: timing")
-        interleaved(steppers, max(warmup, CHECKED_LOSSES - 1), rounds, per_round)
+        steppers, _ = timed_pass(
+            list(recorders),
+            lambda name, recorders=recorders: (Stepper(name, recorders[name].step), None),
+            max(warmup, CHECKED_LOSSES - 1),
+            rounds,
+            per_round,
+        )
         medians = {s.name: median_ms(s.times) for s in steppers}
         reference = recorders["nnx.Optimizer (nnx.jit)"].losses
         for s in steppers:

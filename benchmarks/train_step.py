@@ -26,11 +26,10 @@ from benchmarks._common import (
     Row,
     Stepper,
     copy_tree,
-    first_call,
-    interleaved,
     median_ms,
     release,
     spread,
+    timed_pass,
 )
 
 CASE = "train_step"
@@ -107,19 +106,7 @@ def make_train_state(tx: optax.GradientTransformation, params: Any, x: jax.Array
 
 
 def make_nnx_split_merge(tx: optax.GradientTransformation, params: Any, x: jax.Array) -> Variant:
-    from flax import nnx
-
-    model = models.nnx_mlp(params)
-    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
-    graphdef, state = nnx.split((model, optimizer))
-
-    def split_merge_step(state: Any, x: jax.Array) -> Any:
-        model, optimizer = nnx.merge(graphdef, state)
-        loss, grads = nnx.value_and_grad(lambda m: m.loss(x))(model)
-        optimizer.update(model, grads)
-        return nnx.state((model, optimizer)), loss
-
-    jitted = jax.jit(split_merge_step, donate_argnums=(0,))
+    jitted, state = models.nnx_optimizer_split_merge(models.nnx_mlp(params), tx)
     stages, _ = aot(jitted, state, x)
     return Stepper("nnx split/merge", Loop(jitted, (state,), x).step), stages
 
@@ -147,21 +134,6 @@ VARIANTS: dict[str, Callable[..., Variant]] = {
     "nnx split/merge": make_nnx_split_merge,
     "nnx.jit": make_nnx_jit,
 }
-
-
-def timed_pass(
-    names: Sequence[str], build: Callable[[str], Variant], warmup: int, rounds: int, per_round: int
-) -> tuple[list[Stepper], dict[str, dict[str, float]]]:
-    """Builds (and compiles) the variants in the order given, then times them side by side."""
-    steppers, stages = [], {}
-    for name in names:
-        stepper, compiled = build(name)
-        first_call(stepper)
-        steppers.append(stepper)
-        if compiled is not None:
-            stages[name] = compiled
-    interleaved(steppers, warmup, rounds, per_round)
-    return steppers, stages
 
 
 def two_passes(

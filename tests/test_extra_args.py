@@ -233,7 +233,5 @@ def test_flat_step_takes_functions_and_unhashable_objects_eagerly():
         def __call__(self, u):
             return -u
 
-    out = flat_step(
-        tx, jnp.int32(0), optax.EmptyState(), params, params, extra_args={"scale_fn": Unhashable()}
-    )
+    out = flat_step(tx, jnp.int32(0), optax.EmptyState(), params, params, extra_args={"scale_fn": Unhashable()})
     np.testing.assert_array_equal(out.output["w"], [0.0, 0.0])

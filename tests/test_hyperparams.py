@@ -165,9 +165,7 @@ def test_integer_hyperparameter_keeps_its_dtype_for_integers_in_range_and_refuse
     dtype = opt.learning_rate.dtype
     opt.learning_rate = 3
     assert opt.learning_rate.dtype == dtype and int(opt.learning_rate) == 3
-    with pytest.raises(
-        ValueError, match=r"'learning_rate' \(int32\[\]\): expected a value in the int32 range"
-    ):
+    with pytest.raises(ValueError, match=r"'learning_rate' \(int32\[\]\): expected a value in the int32 range"):
         opt.learning_rate = 2**40
     with pytest.raises(ValueError, match=r"'learning_rate'.*int32 range.*got int 1180591620717411303424"):
         opt.learning_rate = 2**70
@@ -189,11 +187,7 @@ def test_integer_hyperparameter_keeps_its_dtype_for_integers_in_range_and_refuse
         (jnp.asarray(jnp.nan), ValueError, r"expected a finite number, got a float32\[\] array"),
         (jnp.ones(3), ValueError, r"expected a scalar, got a float32\[3\] array"),
         ([0.1], ValueError, r"expected a scalar, got list \[0.1\]"),
-        (
-            1e40,
-            ValueError,
-            r"expected a value in the float32 range \[-3.40282e\+38, 3.40282e\+38\], got float 1e\+40",
-        ),
+        (1e40, ValueError, r"expected a value in the float32 range \[-3.40282e\+38, 3.40282e\+38\], got float 1e\+40"),
         (object(), TypeError, "expected a real number, got object"),
     ],
     ids=lambda v: None if isinstance(v, (type, str)) else repr(v)[:20],
@@ -201,9 +195,7 @@ def test_integer_hyperparameter_keeps_its_dtype_for_integers_in_range_and_refuse
 def test_invalid_values_are_refused_naming_the_hyperparameter(value, error, message):
     opt = sgd_opt(learning_rate=0.1)
     before = opt.opt_state
-    with pytest.raises(
-        error, match=r"^Cannot set hyperparameter 'learning_rate' \(float32\[\]\): " + message
-    ):
+    with pytest.raises(error, match=r"^Cannot set hyperparameter 'learning_rate' \(float32\[\]\): " + message):
         opt.learning_rate = value
     assert opt.opt_state is before
 
