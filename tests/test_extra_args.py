@@ -211,6 +211,25 @@ def test_reduce_on_plateau_agrees_with_raw_optax(jit):
         assert_trees_close(got_params, want_params)
 
 
+def test_value_of_a_scalar_params_array_stays_the_objective_value():
+    """Params that are one scalar array: ``value=`` has the params' shape but is the loss, not per-parameter."""
+    tx = optax.chain(optax.adam(0.3), optax.contrib.reduce_on_plateau(patience=1, factor=0.5, cooldown=0))
+
+    def loss(w):
+        return (w - 2.0) ** 2
+
+    params, state = jnp.float32(0.0), tx.init(jnp.float32(0.0))
+    opt = treeopt.Optimizer(tx).init(params)
+    got = params
+    for _ in range(6):
+        value, grad = jax.value_and_grad(loss)(params)
+        updates, state = tx.update(grad, state, params, value=value)
+        params = optax.apply_updates(params, updates)
+        value, grad = jax.value_and_grad(loss)(got)
+        got = opt.update(grad, got, value=value)
+    np.testing.assert_allclose(got, params, **EAGER_TOL)
+
+
 # -- functions among the extra arguments of the pure step -----------------------------------
 
 

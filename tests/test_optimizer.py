@@ -162,3 +162,14 @@ def test_weakly_typed_params_compile_the_eager_step_once():
     for _ in range(3):
         opt.update(weak, weak, apply_updates=False)
     assert counter["traces"] == 2  # one more program: it returns updates, not params
+
+
+def test_updates_are_zero_at_float_leaves_that_are_not_trained():
+    """``apply_updates=False`` returns updates shaped like the grads: zeros where nothing is trained."""
+    params = {"w": jnp.ones(2), "frozen": jnp.ones(3), "n": jnp.int32(4)}
+    opt = treeopt.Optimizer(optax.sgd(0.5), wrt="w").init(params)
+    grads = {"w": jnp.ones(2), "frozen": jnp.full(3, 7.0), "n": jnp.int32(4)}
+    updates = opt.update(grads, apply_updates=False)
+    np.testing.assert_array_equal(updates["w"], -0.5 * np.ones(2))
+    np.testing.assert_array_equal(updates["frozen"], np.zeros(3))
+    assert int(updates["n"]) == 4

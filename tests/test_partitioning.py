@@ -547,3 +547,12 @@ def test_error_not_a_spec(adam_opt):
 def test_error_uninitialized():
     with pytest.raises(RuntimeError, match="not initialized"):
         treeopt.Optimizer(optax.adam(1e-2)).partition_specs(PARAM_SPECS)
+
+
+def test_partition_specs_checks_the_specs_axes_against_the_mesh_naming_the_parameter():
+    params = {"dense": {"kernel": jnp.ones((4, 8)), "bias": jnp.zeros(8)}}
+    opt = treeopt.Optimizer(optax.adam(1e-3)).init(params)
+    specs = {"dense": {"kernel": P(None, "tensor"), "bias": P()}}
+    assert opt.partition_specs(specs).opt_state[0].mu["dense/kernel"] == P(None, "tensor")  # no mesh: not checked
+    with pytest.raises(ValueError, match=r"PartitionSpec of parameter 'dense/kernel'.*\['tensor'\].*'data', 'model'"):
+        opt.partition_specs(specs, mesh=make_mesh())
