@@ -20,9 +20,10 @@ import pytest
 from flax import traverse_util
 
 import treeopt
-from _helpers import assert_trees_equal
 from treeopt.errors import StateDictError
 from treeopt.t5x import adafactor, optimizers
+
+from _helpers import assert_trees_equal
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures"
 
@@ -54,7 +55,9 @@ def _t5x_trained(name, steps=2):
     return opt
 
 
-T5X_FILES = [(name, kind) for name in ("t5x_adamw", "t5x_adafactor", "t5x_multi") for kind in ("sha256", "unchecked")]
+T5X_FILES = [
+    (name, kind) for name in ("t5x_adamw", "t5x_adafactor", "t5x_multi") for kind in ("sha256", "unchecked")
+]
 
 
 @pytest.mark.parametrize(("name", "kind"), T5X_FILES)
