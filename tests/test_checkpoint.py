@@ -37,7 +37,9 @@ from test_serialization import (
 )
 
 import treeopt
+from treeopt import checkpoint as ckpt
 from treeopt import serialization as ser
+from treeopt.errors import CheckpointError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -59,8 +61,8 @@ def assert_same_params(a, b):
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_orbax_round_trip(name, tmp_path):
     params, opt = trained(name)
-    ser.save(tmp_path / "ckpt", opt, params)
-    restored, restored_params = ser.restore(
+    ckpt.save(tmp_path / "ckpt", opt, params)
+    restored, restored_params = ckpt.restore(
         tmp_path / "ckpt", abstract(name, opt), params=abstract_params(name)
     )
     assert_same_state(restored, opt)
@@ -71,46 +73,46 @@ def test_orbax_round_trip(name, tmp_path):
 
 def test_optimizer_alone_into_a_concrete_target(tmp_path):
     params, opt = trained("adafactor")
-    ser.save(tmp_path / "opt", opt)
-    restored = ser.restore(tmp_path / "opt", fresh("adafactor"))
+    ckpt.save(tmp_path / "opt", opt)
+    restored = ckpt.restore(tmp_path / "opt", fresh("adafactor"))
     assert_same_state(restored, opt)
-    with pytest.raises(ser.CheckpointError, match="holds no params"):
-        ser.restore(tmp_path / "opt", fresh("adafactor"), params=params)
+    with pytest.raises(CheckpointError, match="holds no params"):
+        ckpt.restore(tmp_path / "opt", fresh("adafactor"), params=params)
 
 
 def test_params_are_stored_by_name_and_restore_into_another_container(tmp_path):
     import flax
 
     params, opt = trained("adam")
-    ser.save(tmp_path / "c", opt, params)
+    ckpt.save(tmp_path / "c", opt, params)
     import orbax.checkpoint as ocp
 
     raw = ocp.StandardCheckpointer().restore(tmp_path / "c" / "params")
     assert sorted(raw) == ["dense/bias", "dense/kernel", "out/0"]
     frozen = flax.core.FrozenDict(jax.eval_shape(lambda: params))
-    _, restored_params = ser.restore(tmp_path / "c", abstract("adam"), params=frozen)
+    _, restored_params = ckpt.restore(tmp_path / "c", abstract("adam"), params=frozen)
     assert isinstance(restored_params, flax.core.FrozenDict)
     assert_same_params(flax.core.unfreeze(restored_params), params)
 
 
 def test_save_refuses_to_overwrite_unless_forced(tmp_path):
     params, opt = trained("sgd")
-    ser.save(tmp_path / "c", opt)
+    ckpt.save(tmp_path / "c", opt)
     with pytest.raises(Exception, match="exists"):  # orbax's own error
-        ser.save(tmp_path / "c", opt)
+        ckpt.save(tmp_path / "c", opt)
     newer = opt.load_state_dict({**opt.state_dict(), "step": 7})
-    ser.save(tmp_path / "c", newer, params, force=True)
-    restored, _ = ser.restore(tmp_path / "c", fresh("sgd"), params=params)
+    ckpt.save(tmp_path / "c", newer, params, force=True)
+    restored, _ = ckpt.restore(tmp_path / "c", fresh("sgd"), params=params)
     assert int(restored.step) == 7
     assert os.listdir(tmp_path) == ["c"]  # nothing left beside it
-    ser.save(tmp_path / "new" / "d", opt, force=True)  # forced, where nothing exists yet
-    assert_same_state(ser.restore(tmp_path / "new" / "d", fresh("sgd")), opt)
+    ckpt.save(tmp_path / "new" / "d", opt, force=True)  # forced, where nothing exists yet
+    assert_same_state(ckpt.restore(tmp_path / "new" / "d", fresh("sgd")), opt)
     assert os.listdir(tmp_path / "new") == ["d"]
 
 
 def test_missing_directory(tmp_path):
     with pytest.raises(FileNotFoundError):
-        ser.restore(tmp_path / "nothing", fresh("adam"))
+        ckpt.restore(tmp_path / "nothing", fresh("adam"))
 
 
 # -- CheckpointManager -----------------------------------------------------------------------
@@ -120,7 +122,7 @@ def test_checkpoint_manager_keeps_the_latest_steps(tmp_path):
     params = initial_params("adam")
     opt = treeopt.Optimizer(optax.adam(1e-2)).init(params)
     states = {}
-    with ser.CheckpointManager(tmp_path, max_to_keep=2) as manager:
+    with ckpt.CheckpointManager(tmp_path, max_to_keep=2) as manager:
         assert manager.latest_step() is None
         with pytest.raises(FileNotFoundError, match="No checkpoint"):
             manager.restore(abstract("adam"))
@@ -132,7 +134,7 @@ def test_checkpoint_manager_keeps_the_latest_steps(tmp_path):
         assert list(manager.all_steps()) == [3, 4] and manager.latest_step() == 4
     assert sorted(os.listdir(tmp_path)) == ["3", "4"]  # the dropped steps are gone from the disk
 
-    manager = ser.CheckpointManager(tmp_path, max_to_keep=2)  # a fresh process would do this
+    manager = ckpt.CheckpointManager(tmp_path, max_to_keep=2)  # a fresh process would do this
     latest, latest_params = manager.restore(abstract("adam"), params=abstract_params("adam"))
     got = as_numpy(latest)
     assert got.keys() == states[4].keys() and int(latest.step) == 4
@@ -152,8 +154,10 @@ def test_options_with_their_own_todelete_subdir_keep_the_dropped_steps_there(tmp
     import orbax.checkpoint as ocp
 
     _, opt = trained("sgd")
-    options = ocp.CheckpointManagerOptions(max_to_keep=1, todelete_subdir="trash", enable_async_checkpointing=False)
-    with ser.CheckpointManager(tmp_path, options=options) as manager:
+    options = ocp.CheckpointManagerOptions(
+        max_to_keep=1, todelete_subdir="trash", enable_async_checkpointing=False
+    )
+    with ckpt.CheckpointManager(tmp_path, options=options) as manager:
         for step in (1, 2):
             assert manager.save(step, opt)
         assert list(manager.all_steps()) == [2]
@@ -163,7 +167,7 @@ def test_options_with_their_own_todelete_subdir_keep_the_dropped_steps_there(tmp
 
 def test_checkpoint_manager_save_interval(tmp_path):
     _, opt = trained("sgd")
-    with ser.CheckpointManager(tmp_path, save_interval_steps=2, enable_async_checkpointing=False) as m:
+    with ckpt.CheckpointManager(tmp_path, save_interval_steps=2, enable_async_checkpointing=False) as m:
         saved = [m.save(step, opt) for step in range(5)]
         assert saved == [True, False, True, False, True]
         assert m.save(5, opt, force=True)
@@ -185,15 +189,18 @@ def _requested_shardings(target, mesh):
 def test_restore_onto_named_shardings(name, tmp_path):
     assert len(jax.devices()) == 8
     mesh = jax.make_mesh((8,), ("x",))
-    params = {"dense": {"kernel": jnp.arange(32.0).reshape(8, 4), "bias": jnp.ones(4)}, "table": jnp.ones((16, 2))}
+    params = {
+        "dense": {"kernel": jnp.arange(32.0).reshape(8, 4), "bias": jnp.ones(4)},
+        "table": jnp.ones((16, 2)),
+    }
     opt = treeopt.Optimizer(CASES[name]()).init(params)
     params = opt.update(jax.tree.map(jnp.cos, params), params)
-    ser.save(tmp_path / "c", opt, params)
+    ckpt.save(tmp_path / "c", opt, params)
 
     target = jax.eval_shape(treeopt.Optimizer(opt.tx).init, params)
     shardings = _requested_shardings(target, mesh)
     param_shardings = _requested_shardings(params, mesh)
-    restored, restored_params = ser.restore(
+    restored, restored_params = ckpt.restore(
         tmp_path / "c",
         target,
         params=jax.eval_shape(lambda: params),
@@ -213,13 +220,13 @@ def test_restore_onto_named_shardings(name, tmp_path):
     annotated = jax.tree.map(
         lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), target, shardings
     )
-    again = ser.restore(tmp_path / "c", annotated)
+    again = ckpt.restore(tmp_path / "c", annotated)
     for leaf, wanted in zip(jax.tree.leaves(again), jax.tree.leaves(shardings), strict=True):
         assert leaf.sharding == wanted
 
     # one sharding for every leaf
     replicated = NamedSharding(mesh, P())
-    everywhere = ser.restore(tmp_path / "c", target, shardings=replicated)
+    everywhere = ckpt.restore(tmp_path / "c", target, shardings=replicated)
     assert all(leaf.sharding == replicated for leaf in jax.tree.leaves(everywhere))
 
 
@@ -237,33 +244,35 @@ def test_load_state_dict_places_values_on_the_targets_shardings():
 
 def test_checkpoint_of_another_optimizer_names_every_path(tmp_path):
     params, opt = trained("sgd_momentum")
-    ser.save(tmp_path / "c", opt, params)
+    ckpt.save(tmp_path / "c", opt, params)
     with pytest.raises(ser.StateDictError) as info:
-        ser.restore(tmp_path / "c", abstract("adam"))
+        ckpt.restore(tmp_path / "c", abstract("adam"))
     message = str(info.value)
     assert str(tmp_path / "c") in message
     assert "opt_state/0/mu/dense/kernel" in message and "opt_state/0/trace/out/0" in message
 
     with pytest.warns(ser.StateDictWarning, match="opt_state/0/trace"):
-        partial = ser.restore(tmp_path / "c", fresh("adam"), strict=False)
+        partial = ckpt.restore(tmp_path / "c", fresh("adam"), strict=False)
     assert int(partial.step) == 2
 
 
 def test_checkpoint_of_another_model_names_every_param(tmp_path):
     params, opt = trained("adam")
-    ser.save(tmp_path / "c", opt, params)
+    ckpt.save(tmp_path / "c", opt, params)
     other = {"dense": {"kernel": jnp.ones((3, 5)), "bias": jnp.ones(4)}, "out": [jnp.ones((4, 2))]}
-    with pytest.raises(ser.StateDictError, match=r"dense/kernel: expected float32\[3, 5\], got float32\[3, 4\]"):
-        ser.restore(tmp_path / "c", treeopt.Optimizer(optax.adam(1e-2)).init(other))
+    with pytest.raises(
+        ser.StateDictError, match=r"dense/kernel: expected float32\[3, 5\], got float32\[3, 4\]"
+    ):
+        ckpt.restore(tmp_path / "c", treeopt.Optimizer(optax.adam(1e-2)).init(other))
     with pytest.raises(ser.StateDictError, match=r"params to restore into:\nshape/dtype mismatch"):
-        ser.restore(tmp_path / "c", abstract("adam"), params=jax.eval_shape(lambda: other))
+        ckpt.restore(tmp_path / "c", abstract("adam"), params=jax.eval_shape(lambda: other))
 
 
 def test_warm_start_from_a_checkpoint(tmp_path):
     params, adam = trained("adam", steps=3)
-    ser.save(tmp_path / "c", adam, params)
+    ckpt.save(tmp_path / "c", adam, params)
     adamw = treeopt.Optimizer(optax.adamw(1e-3)).init(params)
-    adamw, report = ser.warm_start(adamw, ser.restore_state_dict(tmp_path / "c"))
+    adamw, report = ser.warm_start(adamw, ckpt.restore_state_dict(tmp_path / "c"))
     assert report.ok
     np.testing.assert_array_equal(adamw.opt_state[0].mu["dense/kernel"], adam.opt_state[0].mu["dense/kernel"])
 
@@ -311,15 +320,17 @@ def test_corrupted_checkpoint_directory_never_restores_silently(tmp_path):
     opt = treeopt.Optimizer(optax.adam(1e-2)).init(params)
     params = opt.update(jax.tree.map(jnp.sin, params), params)
     good = tmp_path / "good"
-    ser.save(good, opt, params)
+    ckpt.save(good, opt, params)
     expected = as_numpy(opt)
     needle = np.asarray(opt.opt_state[0].mu["w"]).tobytes()
 
     raised = set()
     for case, bad in _damaged_copies(good, tmp_path, needle):
         try:
-            restored, restored_params = ser.restore(bad, treeopt.Optimizer(opt.tx).init(params), params=params)
-        except (ser.CheckpointError, ser.StateDictError, FileNotFoundError):
+            restored, restored_params = ckpt.restore(
+                bad, treeopt.Optimizer(opt.tx).init(params), params=params
+            )
+        except (CheckpointError, ser.StateDictError, FileNotFoundError):
             raised.add(case)
             gc.collect()  # orbax's abandoned reads complain here, under this test's filter
             continue
@@ -339,18 +350,18 @@ def test_a_checksum_mismatch_is_reported(tmp_path):
     import json
 
     _, opt = trained("adam")
-    ser.save(tmp_path / "c", opt)
+    ckpt.save(tmp_path / "c", opt)
     meta_path = tmp_path / "c" / "_CHECKPOINT_METADATA"
     meta = json.loads(meta_path.read_text())
     meta["custom_metadata"]["treeopt"]["checksums"]["optimizer"][0] ^= 1
     meta_path.write_text(json.dumps(meta))
-    with pytest.raises(ser.CheckpointError, match="checksum"):
-        ser.restore(tmp_path / "c", fresh("adam"))
+    with pytest.raises(CheckpointError, match="checksum"):
+        ckpt.restore(tmp_path / "c", fresh("adam"))
     # without its metadata there is nothing to check against: refused unless verify=False
     meta_path.unlink()
-    with pytest.raises(ser.CheckpointError, match="no checksum"):
-        ser.restore(tmp_path / "c", fresh("adam"))
-    assert_same_state(ser.restore(tmp_path / "c", fresh("adam"), verify=False), opt)
+    with pytest.raises(CheckpointError, match="no checksum"):
+        ckpt.restore(tmp_path / "c", fresh("adam"))
+    assert_same_state(ckpt.restore(tmp_path / "c", fresh("adam"), verify=False), opt)
 
 
 def test_a_directory_that_is_not_a_treeopt_checkpoint(tmp_path):
@@ -359,8 +370,8 @@ def test_a_directory_that_is_not_a_treeopt_checkpoint(tmp_path):
     checkpointer = ocp.StandardCheckpointer()
     checkpointer.save(tmp_path / "plain", {"a": jnp.ones(2)})
     checkpointer.wait_until_finished()
-    with pytest.raises(ser.CheckpointError):
-        ser.restore(tmp_path / "plain", fresh("adam"))
+    with pytest.raises(CheckpointError):
+        ckpt.restore(tmp_path / "plain", fresh("adam"))
 
 
 # -- interrupted saves ---------------------------------------------------------------------------
@@ -370,12 +381,12 @@ _CHILD = textwrap.dedent(
     import sys, time
     import jax.numpy as jnp, optax
     import treeopt
-    from treeopt import serialization as ser
+    from treeopt import checkpoint as ckpt
 
     directory, mode = sys.argv[1], sys.argv[2]
     params = {"w": jnp.arange(4.0)}
     opt = treeopt.Optimizer(optax.adam(0.1)).init(params)
-    manager = ser.CheckpointManager(directory, max_to_keep=3)
+    manager = ckpt.CheckpointManager(directory, max_to_keep=3)
     step = 0
     while True:
         step += 1
@@ -420,7 +431,7 @@ def _run_child(directory, mode, stop_after):
 
 
 def _check_latest(directory, expected_step):
-    with ser.CheckpointManager(directory) as manager:
+    with ckpt.CheckpointManager(directory) as manager:
         assert manager.latest_step() == expected_step
         opt = manager.restore(jax.eval_shape(treeopt.Optimizer(optax.adam(0.1)).init, {"w": jnp.ones(4)}))
     assert int(opt.step) == expected_step
@@ -438,7 +449,7 @@ def test_save_killed_before_commit_leaves_the_previous_checkpoint(tmp_path):
 
     # the next run saves over the debris
     _, opt = trained("adam")
-    with ser.CheckpointManager(tmp_path) as manager:
+    with ckpt.CheckpointManager(tmp_path) as manager:
         assert manager.save(2, opt)
         manager.wait_until_finished()
         assert list(manager.all_steps()) == [1, 2]
@@ -448,7 +459,7 @@ def test_save_killed_before_commit_leaves_the_previous_checkpoint(tmp_path):
 def test_save_killed_at_a_random_moment_leaves_a_restorable_checkpoint(tmp_path, after):
     seen = _run_child(tmp_path, "loop", ("SAVED", after))
     last_reported = int(seen[-1][1])
-    with ser.CheckpointManager(tmp_path) as manager:
+    with ckpt.CheckpointManager(tmp_path) as manager:
         latest = manager.latest_step()
     # killed right after reporting `last_reported`, maybe while writing the next one
     assert latest is not None and latest >= last_reported

@@ -176,16 +176,16 @@ def test_integer_hyperparameter_keeps_its_dtype_for_integers_in_range_and_refuse
     ("value", "error", "message"),
     [
         (None, TypeError, "expected a real number, got None"),
-        ("0.1", TypeError, "expected a real number, got str '0.1'"),
+        ("0.1", TypeError, r"expected a real number, got the string .0\.1."),
         (True, TypeError, "expected a real number, got bool True"),
         (np.bool_(False), TypeError, "expected a real number, got bool"),
         (1j, TypeError, r"expected a real number \(complex values are not hyperparameters\), got complex 1j"),
-        (jnp.asarray(0.5 + 1j), TypeError, r"expected a real number .*, got a complex64\[\] array"),
+        (jnp.asarray(0.5 + 1j), TypeError, r"expected a real number .*, got complex64\[\]"),
         (float("nan"), ValueError, "expected a finite number, got float nan"),
         (float("inf"), ValueError, "expected a finite number, got float inf"),
         (np.float32(-np.inf), ValueError, "expected a finite number, got float32 "),
-        (jnp.asarray(jnp.nan), ValueError, r"expected a finite number, got a float32\[\] array"),
-        (jnp.ones(3), ValueError, r"expected a scalar, got a float32\[3\] array"),
+        (jnp.asarray(jnp.nan), ValueError, r"expected a finite number, got float32\[\]"),
+        (jnp.ones(3), ValueError, r"expected a scalar, got float32\[3\]"),
         ([0.1], ValueError, r"expected a scalar, got list \[0.1\]"),
         (1e40, ValueError, r"expected a value in the float32 range \[-3.40282e\+38, 3.40282e\+38\], got float 1e\+40"),
         (object(), TypeError, "expected a real number, got object"),
@@ -218,7 +218,7 @@ def test_a_hyperparameter_array_takes_a_scalar_or_exactly_its_shape():
     assert got.dtype == jnp.float32
     np.testing.assert_array_equal(got, [0.25, 0.75])
     with pytest.raises(
-        ValueError, match=r"\(float32\[2\]\): expected a scalar or a float32\[2\] array, got a"
+        ValueError, match=r"\(float32\[2\]\): expected a scalar or a float32\[2\] array, got float64\[3\]"
     ):
         treeopt.set_hyperparams(state, {"learning_rate": np.ones(3)})
 

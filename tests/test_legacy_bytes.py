@@ -39,11 +39,13 @@ def grads(i):
 def _t5x_defs():
     kernels = traverse_util.ModelParamTraversal(lambda path, _: "kernel" in path)
     biases = traverse_util.ModelParamTraversal(lambda path, _: "bias" in path)
+    # The release that wrote the fixtures honoured the learning rate passed to apply_gradient.
+    honor = {"honor_learning_rate": True}
     return {
-        "t5x_adamw": optimizers.adamw(learning_rate=1e-2, weight_decay=0.1),
+        "t5x_adamw": optimizers.adamw(learning_rate=1e-2, weight_decay=0.1, **honor),
         "t5x_adafactor": adafactor.Adafactor(learning_rate=0.1, min_dim_size_to_factor=2),
         "t5x_multi": optimizers.MultiOptimizer(
-            [(kernels, optimizers.sgd(0.1, momentum=0.9)), (biases, optimizers.adam(1e-2))]
+            [(kernels, optimizers.sgd(0.1, momentum=0.9, **honor)), (biases, optimizers.adam(1e-2, **honor))]
         ),
     }
 

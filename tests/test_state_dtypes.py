@@ -8,7 +8,6 @@ import optax
 import pytest
 
 import treeopt
-from treeopt import serialization
 
 
 def mixed_params():
@@ -78,8 +77,8 @@ def test_state_dict_after_steps_loads_into_init_and_eval_shape_of_init(route, tm
             loaded = flax.serialization.from_bytes(target, flax.serialization.to_bytes(opt))
         else:
             path = tmp_path / f"ckpt-{type(target.step).__name__}"
-            serialization.save(path, opt)
-            loaded = serialization.restore(path, target)
+            treeopt.checkpoint.save(path, opt)
+            loaded = treeopt.checkpoint.restore(path, target)
         got, want = loaded.state_dict(), opt.state_dict()
         jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), got, want)
         assert state_dtypes(loaded) == state_dtypes(opt)

@@ -1,24 +1,25 @@
-"""A checksum of a state dict's bits, so that corrupted bytes or files raise instead of loading.
+"""The one checksum of state dicts, bytes and checkpoints, so that corrupted data raises instead of loading.
 
 Two sums modulo 2**32 of each array leaf's bits (a plain one and one weighted
 by position), folded over the leaves in sorted path order. Integer sums are
 exact, so the result is the same for numpy and jax arrays, on host or device,
 sharded or not: what is saved from devices verifies on the host and back.
+:func:`matches` also reads the SHA-256 digest that earlier treeopt.t5x
+versions wrote into serialized bytes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import hashlib
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from treeopt.errors import StateDictError
+from treeopt._plain import Path, flatten_paths
 from treeopt.keys import is_key
-
-Path = tuple[str, ...]
 
 CHECKSUM_KEY = "checksum"
 """Top-level key of the checksum that ``flax.serialization.to_state_dict(opt)`` adds."""
@@ -96,15 +97,24 @@ def _device_leaf_sums(x: jax.Array) -> tuple[int, int, int]:
     return a, b, int(words)
 
 
-def checksum(flat: Mapping[Path, Any]) -> np.ndarray:
-    """A ``uint32[2]`` checksum of the array leaves of ``flat`` (``{path: leaf}``), by sorted path.
+def _as_array(leaf: Any) -> Any:
+    """A leaf as the array whose bits are summed: Python numbers as NumPy's, typed keys as key data."""
+    if isinstance(leaf, _SCALARS):
+        return np.asarray(leaf)
+    return jax.random.key_data(leaf) if is_key(leaf) else leaf
 
-    Equal for the same values whether they are jax or numpy arrays, on host or device.
+
+def checksum(flat: Mapping[Path, Any]) -> np.ndarray:
+    """A ``uint32[2]`` checksum of the leaves of ``flat`` (``{path: leaf}``), folded in sorted path order.
+
+    Arrays and Python numbers count (a number as NumPy's default dtype for
+    it); ``None``, strings and other objects do not. Equal for the same values
+    whether they are jax or numpy arrays, on host or device.
 
     Example:
         >>> import numpy as np, jax.numpy as jnp
-        >>> a = checksum({("w",): jnp.arange(3.0)})
-        >>> b = checksum({("w",): np.arange(3.0, dtype=np.float32)})
+        >>> a = checksum({("w",): jnp.arange(3.0), ("step",): 1})
+        >>> b = checksum({("step",): 1, ("w",): np.arange(3.0, dtype=np.float32)})
         >>> bool((a == b).all()), a.dtype.name
         (True, 'uint32')
     """
@@ -112,28 +122,77 @@ def checksum(flat: Mapping[Path, Any]) -> np.ndarray:
     a, b = 0x811C9DC5, 0
     for path in sorted(flat):
         leaf = flat[path]
-        if isinstance(leaf, _SCALARS) or not hasattr(leaf, "dtype"):
+        if not (isinstance(leaf, _SCALARS) or hasattr(leaf, "dtype")):
             continue
-        s1, s2, n = _leaf_sums(jax.random.key_data(leaf) if is_key(leaf) else leaf)
+        s1, s2, n = _leaf_sums(_as_array(leaf))
         a = (a * 0x01000193 + s1 + n) & mask
         b = (b * 0x9E3779B1 + s2) & mask
     return np.array([a, b], dtype=np.uint32)
 
 
-def verify_checksum(flat: dict[Path, Any], what: str = "state dict") -> dict[Path, Any]:
-    """``flat`` without its ``("checksum",)`` entry, which must match its other leaves."""
-    if (CHECKSUM_KEY,) not in flat:
-        return flat
-    rest = {p: v for p, v in flat.items() if p != (CHECKSUM_KEY,)}
-    stored = flat[(CHECKSUM_KEY,)]
+def with_checksum(state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """``state_dict`` with its :func:`checksum` added under ``"checksum"``, as serialized bytes carry it.
+
+    Example:
+        >>> sorted(with_checksum({"step": 1, "opt_state": {}}))
+        ['checksum', 'opt_state', 'step']
+    """
+    return {**state_dict, CHECKSUM_KEY: checksum(flatten_paths(state_dict))}
+
+
+def _words(stored: Any) -> list[int] | None:
     try:
-        stored_words = np.asarray(stored, dtype=np.uint32).reshape(-1).tolist()
+        return np.asarray(stored, dtype=np.uint32).reshape(-1).tolist()
     except (TypeError, ValueError):
-        stored_words = None
-    if stored_words != checksum(rest).tolist():
-        raise StateDictError(
-            f"The {what}'s checksum does not match its data: it is corrupted (or was edited "
-            f"after it was saved). To load a deliberately edited state dict, delete its "
-            f"'{CHECKSUM_KEY}' entry first."
-        )
-    return rest
+        return None
+
+
+def matches(values: Mapping[Path, Any], stored: Any, nested: Any = None) -> bool:
+    """Whether ``stored`` is the checksum of ``values`` (``{path: leaf}``); ``None`` stored matches.
+
+    ``stored`` is :func:`checksum`'s two words. Four words are the SHA-256
+    digest earlier treeopt.t5x versions wrote into serialized bytes: given the
+    ``nested`` state dict they were computed over, they are checked instead.
+
+    Example:
+        >>> import numpy as np
+        >>> values = {("w",): np.ones(2, np.float32)}
+        >>> matches(values, checksum(values)), matches(values, [1, 2]), matches(values, None)
+        (True, False, True)
+    """
+    if stored is None:
+        return True
+    words = _words(stored)
+    if words is not None and len(words) == _LEGACY_WORDS and nested is not None:
+        return words == _legacy_digest(nested).tolist()
+    return words == checksum(values).tolist()
+
+
+# -- the digest of earlier treeopt.t5x bytes: read, never written --------------------------------
+
+_LEGACY_WORDS = 4
+
+
+def _records(tree: Any, path: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], Any]]:
+    if isinstance(tree, Mapping):
+        if not tree:
+            yield path, {}
+        for key in sorted(tree, key=str):
+            yield from _records(tree[key], (*path, str(key)))
+    else:
+        yield path, tree
+
+
+def _legacy_digest(state_dict: Any) -> np.ndarray:
+    """The ``uint32[4]`` SHA-256 digest (truncated) of paths, dtypes, shapes and values that
+    treeopt.t5x wrote into serialized bytes before :func:`checksum` was the only one."""
+    digest = hashlib.sha256()
+    for path, leaf in _records(state_dict):
+        digest.update(repr(path).encode())
+        if leaf is None or isinstance(leaf, (bool, int, float, complex, str, bytes, dict)):
+            digest.update(f"{type(leaf).__name__}:{leaf!r}".encode())
+            continue
+        array = np.asarray(leaf)
+        digest.update(f"{array.dtype.name}{list(array.shape)}".encode())
+        digest.update(np.ascontiguousarray(array).tobytes())
+    return np.frombuffer(digest.digest()[:16], dtype=np.uint32).copy()

@@ -11,7 +11,8 @@ array}``, the names of :func:`treeopt.leaf_names`), each readable with plain
 orbax, and checksums of both in the step's orbax custom metadata. Restore into
 an abstract target from ``jax.eval_shape`` and onto shardings.
 
-These names are also importable from :mod:`treeopt.serialization`.
+Errors are :class:`treeopt.errors.CheckpointError` (damaged or incomplete
+checkpoints) and :class:`treeopt.errors.StateDictError` (another model's).
 See ``docs/serialization.md``.
 """
 
@@ -21,393 +22,31 @@ import contextlib
 import dataclasses
 import numbers
 import os
-import shutil
-import uuid
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-import jax
 import numpy as np
 
-from treeopt import _state_dict as _sd
-from treeopt._checksum import checksum
-from treeopt._paths import leaf_names
-from treeopt.errors import CheckpointError, LoadReport, StateDictError, StateDictWarning
-from treeopt.keys import key_data
+from treeopt._checkpoint_items import (
+    OPTIMIZER_ITEM,
+    PARAMS_ITEM,
+    Reader,
+    checkpointer,
+    directory_reader,
+    orbax_checkpoint,
+    save_items,
+)
+from treeopt._deprecated import moved_names
+from treeopt._siblings import Siblings
+from treeopt._siblings import remove as remove_path
 from treeopt.optimizer import Optimizer
 
 if TYPE_CHECKING:
     import orbax.checkpoint as ocp
 
-__all__ = ["CheckpointError", "CheckpointManager", "restore", "restore_state_dict", "save"]
+__all__ = ["CheckpointManager", "restore", "restore_state_dict", "save"]
 
-OPTIMIZER_ITEM = "optimizer"
-PARAMS_ITEM = "params"
-_METADATA_KEY = "treeopt"
-_FORMAT = 1
-
-
-# -- orbax: the items ----------------------------------------------------------------------
-
-
-def _ocp() -> Any:
-    import orbax.checkpoint as ocp  # imported on first use: it costs ~0.5 s
-
-    return ocp
-
-
-def _array_like(x: Any) -> bool:
-    return hasattr(x, "shape") and hasattr(x, "dtype")
-
-
-def _flat_params(params: Any) -> dict[str, Any]:
-    """``{name: array}`` of every array leaf of ``params``."""
-    out = {}
-    for name, leaf in zip(leaf_names(params), jax.tree.leaves(params), strict=True):
-        if _array_like(leaf):
-            out[name] = key_data(leaf)
-    return out
-
-
-def _checksum_list(tree: Any) -> list[int]:
-    return [int(x) for x in checksum(_sd.flatten_paths(tree))]
-
-
-def _save_items(opt: Optimizer, params: Any) -> tuple[Any, dict[str, Any]]:
-    """``(ocp.args.Composite, custom metadata)`` of a checkpoint of ``opt`` (and ``params``)."""
-    ocp = _ocp()
-    if not isinstance(opt, Optimizer) or not opt.initialized:
-        raise TypeError(
-            f"save needs an initialized treeopt.Optimizer (opt = Optimizer(tx).init(params)), got {opt!r}."
-        )
-    items = {OPTIMIZER_ITEM: opt.state_dict()}
-    if params is not None:
-        items[PARAMS_ITEM] = _flat_params(params)
-    checksums = {name: _checksum_list(tree) for name, tree in items.items()}
-    args = ocp.args.Composite(**{name: ocp.args.StandardSave(tree) for name, tree in items.items()})
-    return args, {_METADATA_KEY: {"format": _FORMAT, "checksums": checksums}}
-
-
-def _with_shardings(tree: Any, shardings: Any, what: str) -> Any:
-    """``tree`` with its array leaves placed on (or, if abstract, annotated with) ``shardings``."""
-    if shardings is None:
-        return tree
-    leaves, treedef = jax.tree.flatten(tree)
-    if isinstance(shardings, jax.sharding.Sharding):
-        flat_shardings: Sequence[Any] = [shardings] * len(leaves)
-    else:
-        flat_shardings, sharding_def = jax.tree.flatten(
-            shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding)
-        )
-        if len(flat_shardings) != len(leaves):
-            raise ValueError(
-                f"{what} shardings must be one Sharding or a tree shaped like the {what} "
-                f"({len(leaves)} leaves), got {len(flat_shardings)} leaves: {sharding_def}."
-            )
-
-    def place(leaf: Any, sharding: Any) -> Any:
-        if isinstance(leaf, jax.Array):
-            return jax.device_put(leaf, sharding)
-        if _array_like(leaf):
-            return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
-        return leaf
-
-    return jax.tree.unflatten(treedef, [place(x, s) for x, s in zip(leaves, flat_shardings, strict=True)])
-
-
-def _default_sharding() -> jax.sharding.Sharding:
-    return jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-
-
-def _abstract_item(meta: Any, shardings: Mapping[tuple[str, ...], Any], prefix: tuple[str, ...] = ()) -> Any:
-    """The orbax restore target for a saved item: every saved leaf (empty dicts kept), on its sharding."""
-    if isinstance(meta, Mapping):
-        return {k: _abstract_item(v, shardings, (*prefix, k)) for k, v in meta.items()}
-    if meta is None or not _array_like(meta):
-        return meta
-    sharding = shardings.get(prefix) or _default_sharding()
-    return jax.ShapeDtypeStruct(tuple(meta.shape), meta.dtype, sharding=sharding)
-
-
-def _mismatch_error(where: str, what: str, report: LoadReport) -> StateDictError:
-    return StateDictError(
-        f"The checkpoint at {where} does not match the {what} to restore into:\n"
-        + report.problems()
-        + "\nIt was saved from another model or optimizer. Pass strict=False to restore the "
-        "matching paths, or restore_state_dict + warm_start to start from another optimizer.",
-        report,
-    )
-
-
-class _Reader:
-    """Metadata and restore of one checkpoint: a directory, or a step of a manager."""
-
-    def __init__(
-        self, where: str, metadata: Callable[[], Any], restore: Callable[[Any], Any], verify: bool = True
-    ):
-        self.where = where
-        self.verify_checksums = verify
-        self._metadata = metadata
-        self._restore = restore
-
-    def metadata(self) -> tuple[dict[str, Any], dict[str, Any]]:
-        """``({item name: saved tree metadata}, treeopt's custom metadata)``."""
-        try:
-            step_metadata = self._metadata()
-            items = step_metadata.item_metadata
-            trees = {}
-            for name in (OPTIMIZER_ITEM, PARAMS_ITEM):
-                item = items.get(name) if items is not None else None
-                if item is not None:
-                    trees[name] = getattr(item, "tree", item)
-            custom = (step_metadata.custom_metadata or {}).get(_METADATA_KEY, {})
-        except FileNotFoundError as e:  # the directory exists: a file of it is missing
-            raise FileNotFoundError(
-                f"The checkpoint at {self.where} is damaged or incomplete: a file of it is missing ({e})."
-            ) from e
-        except Exception as e:
-            raise CheckpointError(
-                f"Could not read the metadata of the checkpoint at {self.where}: it is damaged "
-                f"or incomplete (truncated, corrupted or partly deleted) ({type(e).__name__}: {e})."
-            ) from e
-        if OPTIMIZER_ITEM not in trees:
-            if _saved_items(custom):
-                raise CheckpointError(
-                    f"The checkpoint at {self.where} is damaged or incomplete: its "
-                    f"'{OPTIMIZER_ITEM}' item is missing or unreadable (partly deleted?)."
-                )
-            raise CheckpointError(
-                f"The checkpoint at {self.where} has no '{OPTIMIZER_ITEM}' item: it is damaged "
-                "or incomplete, or it was not written by treeopt.serialization.save / "
-                "CheckpointManager.save."
-            )
-        return trees, custom
-
-    def restore(self, items: Mapping[str, Any]) -> Any:
-        ocp = _ocp()
-        args = ocp.args.Composite(**{name: ocp.args.StandardRestore(item) for name, item in items.items()})
-        try:
-            return self._restore(args)
-        except Exception as e:
-            raise CheckpointError(
-                f"Could not restore the checkpoint at {self.where}: it is damaged or incomplete, "
-                "its files truncated, corrupted or partly deleted "
-                f"({type(e).__name__}: {str(e)[:2000]})."
-            ) from e
-
-    def verify(self, name: str, tree: Any, custom: Mapping[str, Any]) -> None:
-        stored = custom.get("checksums", {}).get(name) if isinstance(custom, Mapping) else None
-        if stored is None:
-            if self.verify_checksums:
-                raise CheckpointError(
-                    f"The checkpoint at {self.where} has no checksum for its '{name}' item: its "
-                    "_CHECKPOINT_METADATA file is missing or damaged, or treeopt did not write it. "
-                    "Pass verify=False to restore it unchecked."
-                )
-            return
-        if [int(x) for x in stored] != _checksum_list(tree):
-            raise CheckpointError(
-                f"The '{name}' item of the checkpoint at {self.where} does not match the "
-                "checksum it was saved with: its files are damaged (corrupted)."
-            )
-
-    def restore_state_dict(self) -> dict[str, Any]:
-        trees, custom = self.metadata()
-        restored = self.restore({OPTIMIZER_ITEM: _abstract_item(trees[OPTIMIZER_ITEM], {})})[OPTIMIZER_ITEM]
-        self.verify(OPTIMIZER_ITEM, restored, custom)
-        return restored
-
-    def restore_into(
-        self,
-        target: Optimizer,
-        params: Any,
-        shardings: Any,
-        param_shardings: Any,
-        strict: bool,
-    ) -> Any:
-        if not isinstance(target, Optimizer) or not target.initialized:
-            raise TypeError(
-                "restore needs a target optimizer with the state's structure: an initialized "
-                "one (opt.init(params)) or an abstract one (jax.eval_shape(opt.init, params)), "
-                f"got {target!r}."
-            )
-        target = _with_shardings(target, shardings, "optimizer")
-        trees, custom = self.metadata()
-        slots = _sd.slots(target)
-        saved = _sd.flatten_paths(trees[OPTIMIZER_ITEM])
-        pairs, report = _sd.match_paths(slots.slots, saved)
-        if strict and not report.ok:
-            raise _mismatch_error(self.where, "optimizer", report)
-        items = {
-            OPTIMIZER_ITEM: _abstract_item(trees[OPTIMIZER_ITEM], {p: slots.slots[p].sharding for p in pairs})
-        }
-
-        if params is not None:
-            if PARAMS_ITEM not in trees:
-                raise _no_params_error(self.where, custom)
-            params = _with_shardings(params, param_shardings, "params")
-            p_slots = _sd.param_slots(params)
-            p_saved = _sd.flatten_paths(trees[PARAMS_ITEM])
-            p_pairs, p_report = _sd.match_paths(p_slots.slots, p_saved)
-            if strict and not p_report.ok:
-                raise _mismatch_error(self.where, "params", p_report)
-            items[PARAMS_ITEM] = _abstract_item(
-                trees[PARAMS_ITEM], {p: p_slots.slots[p].sharding for p in p_pairs}
-            )
-
-        restored = self.restore(items)
-        for name, tree in restored.items():
-            self.verify(name, tree, custom)
-        if not report.ok:
-            _warn(report, self.where, "optimizer")
-        opt = _sd.with_loaded_leaves(target, slots, pairs, _sd.flatten_paths(restored[OPTIMIZER_ITEM]))
-        if params is None:
-            return opt
-        if not p_report.ok:
-            _warn(p_report, self.where, "params")
-        p_source = _sd.flatten_paths(restored[PARAMS_ITEM])
-        leaves = _sd.fill_leaves(p_slots, p_pairs, p_source, what="params")
-        return opt, jax.tree.unflatten(p_slots.treedef, leaves)
-
-
-def _saved_items(custom: Any) -> set[str]:
-    """The items treeopt's custom metadata says were saved (empty when that metadata is missing)."""
-    checksums = custom.get("checksums") if isinstance(custom, Mapping) else None
-    return set(checksums) if isinstance(checksums, Mapping) else set()
-
-
-def _no_params_error(where: str, custom: Any) -> CheckpointError:
-    saved = _saved_items(custom)
-    if PARAMS_ITEM in saved:
-        return CheckpointError(
-            f"The checkpoint at {where} is damaged or incomplete: it was saved with params, "
-            f"but its '{PARAMS_ITEM}' item is missing or unreadable (partly deleted?)."
-        )
-    if saved:
-        return CheckpointError(
-            f"The checkpoint at {where} holds no params: its metadata says it was saved "
-            "without them (save(directory, opt)). Restore without params=."
-        )
-    return CheckpointError(
-        f"The checkpoint at {where} holds no params: it was saved without them, or it is "
-        "damaged or incomplete (its metadata, which would say which, is missing too). "
-        "Restore without params=, or from another checkpoint."
-    )
-
-
-def _warn(report: LoadReport, where: str, what: str) -> None:
-    import warnings
-
-    warnings.warn(
-        StateDictWarning(
-            f"restore(strict=False) from {where}: these {what} paths kept the target's values "
-            "or were ignored:\n" + report.problems(),
-            report,
-        ),
-        stacklevel=4,
-    )
-
-
-# -- orbax: one directory --------------------------------------------------------------------
-
-
-def _checkpointer() -> Any:
-    ocp = _ocp()
-    handler = ocp.StandardCheckpointHandler
-    return ocp.Checkpointer(
-        ocp.CompositeCheckpointHandler(**{OPTIMIZER_ITEM: handler(), PARAMS_ITEM: handler()})
-    )
-
-
-# A forced save never removes the checkpoint at ``path`` before a complete new one exists:
-#
-#   1. orbax writes the new checkpoint to the sibling ``<path>.treeopt-new`` (itself
-#      atomically: a temporary directory renamed into place when complete);
-#   2. ``path`` is renamed to ``<path>.treeopt-old``: the commit point;
-#   3. ``<path>.treeopt-new`` is renamed to ``path``;
-#   4. ``<path>.treeopt-old`` is renamed to ``<path>.treeopt-trash-<random>`` and deleted.
-#
-# A directory is only ever deleted under a trash name, and only ever appears under
-# ``path``, ``.treeopt-new`` or ``.treeopt-old`` by a rename of a complete checkpoint, so
-# whichever of the three exists is complete. ``restore`` reads the first that exists, in
-# that order, which is the newest committed checkpoint at any instant of a save; the next
-# save settles the siblings into ``path`` alone and deletes the leftovers.
-_NEW_SUFFIX = ".treeopt-new"
-_OLD_SUFFIX = ".treeopt-old"
-_TRASH_INFIX = ".treeopt-trash-"
-
-
-class _Siblings:
-    """The directories a checkpoint at ``path`` may occupy during a forced save."""
-
-    def __init__(self, directory: str | os.PathLike[str]):
-        self.path = os.path.abspath(os.fspath(directory))
-        self.parent, self.name = os.path.split(self.path)
-        self.new = self.path + _NEW_SUFFIX
-        self.old = self.path + _OLD_SUFFIX
-
-    def readable(self) -> str:
-        """The directory ``restore`` reads: ``path``, else ``.treeopt-new``, else ``.treeopt-old``."""
-        for candidate in (self.path, self.new, self.old):
-            if os.path.isdir(candidate):
-                return candidate
-        raise FileNotFoundError(f"No checkpoint directory at {self.path}.")
-
-    def discard(self, directory: str) -> None:
-        """Deletes ``directory``, first renaming it to a trash name so no reader ever sees it half-deleted."""
-        if not os.path.lexists(directory):
-            return
-        trash = f"{self.path}{_TRASH_INFIX}{uuid.uuid4().hex[:12]}"
-        os.rename(directory, trash)
-        _remove(trash)
-
-    def settle(self) -> None:
-        """Brings a save interrupted at any instant to ``path`` alone (plus leftovers to delete)."""
-        if not os.path.lexists(self.path):
-            if os.path.isdir(self.new):  # killed after the commit point: finish the save
-                os.rename(self.new, self.path)
-            elif os.path.isdir(self.old):
-                os.rename(self.old, self.path)
-        self.discard(self.new)  # written but never committed
-        self.discard(self.old)
-        self.remove_leftovers()
-
-    def remove_leftovers(self) -> None:
-        """Deletes trash and orbax's unfinished temporary directories of ``path`` and ``.treeopt-new``."""
-        if not os.path.isdir(self.parent):
-            return
-        tmp_suffix = _ocp().path.atomicity.TMP_DIR_SUFFIX
-        prefixes = (
-            self.name + _TRASH_INFIX,
-            self.name + tmp_suffix,
-            self.name + _NEW_SUFFIX + tmp_suffix,
-        )
-        for entry in os.listdir(self.parent):
-            if entry.startswith(prefixes):
-                _remove(os.path.join(self.parent, entry))
-
-
-def _remove(path: str) -> None:
-    if os.path.isdir(path) and not os.path.islink(path):
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(path)
-
-
-@contextlib.contextmanager
-def _directory_reader(directory: str | os.PathLike[str], verify: bool = True) -> Iterator[_Reader]:
-    path = _Siblings(directory).readable()
-    ckptr = _checkpointer()
-    try:
-        yield _Reader(
-            path,
-            lambda: ckptr.metadata(path),
-            lambda args: ckptr.restore(path, args=args),
-            verify,
-        )
-    finally:
-        ckptr.close()
+__getattr__ = moved_names(__name__, {"CheckpointError": "treeopt.errors"})
 
 
 def save(
@@ -438,10 +77,10 @@ def save(
         >>> int(opt2.step), params2["w"].tolist()
         (1, [0.9990000128746033, 0.9990000128746033])
     """
-    args, metadata = _save_items(opt, params)
-    siblings = _Siblings(directory)
+    args, metadata = save_items(opt, params)
+    siblings = Siblings(directory)
     siblings.settle()
-    ckptr = _checkpointer()
+    ckptr = checkpointer()
     try:
         if force and os.path.lexists(siblings.path):
             ckptr.save(siblings.new, args=args, custom_metadata=metadata)
@@ -507,7 +146,7 @@ def restore(
         >>> restored.opt_state[0].mu["w"].sharding == NamedSharding(mesh, P())
         True
     """
-    with _directory_reader(directory, verify) as reader:
+    with directory_reader(directory, verify) as reader:
         return reader.restore_into(target, params, shardings, param_shardings, strict)
 
 
@@ -530,7 +169,7 @@ def restore_state_dict(directory: str | os.PathLike[str], *, verify: bool = True
         >>> report.ok
         True
     """
-    with _directory_reader(directory, verify) as reader:
+    with directory_reader(directory, verify) as reader:
         return reader.restore_state_dict()
 
 
@@ -625,11 +264,10 @@ class CheckpointManager:
         enable_async_checkpointing: bool = True,
         options: ocp.CheckpointManagerOptions | None = None,
     ):
-        ocp = _ocp()
         if options is None:
             _check_at_least_one("max_to_keep", max_to_keep, "keep every step")
             _check_at_least_one("save_interval_steps", save_interval_steps)
-            options = ocp.CheckpointManagerOptions(
+            options = orbax_checkpoint().CheckpointManagerOptions(
                 max_to_keep=max_to_keep,
                 save_interval_steps=save_interval_steps,
                 enable_async_checkpointing=enable_async_checkpointing,
@@ -642,8 +280,8 @@ class CheckpointManager:
         if options.todelete_subdir is None and options.todelete_full_path is None and not options.read_only:
             options = dataclasses.replace(options, todelete_subdir=_DELETED_SUBDIR)
             self._deleted = os.path.join(self.directory, _DELETED_SUBDIR)
-        handler = ocp.StandardCheckpointHandler
-        self.manager = ocp.CheckpointManager(
+        handler = orbax_checkpoint().StandardCheckpointHandler
+        self.manager = orbax_checkpoint().CheckpointManager(
             self.directory,
             options=options,
             item_handlers={OPTIMIZER_ITEM: handler(), PARAMS_ITEM: handler()},
@@ -659,7 +297,7 @@ class CheckpointManager:
         if self._deleted is None or not os.path.isdir(self._deleted):
             return
         for entry in os.listdir(self._deleted):
-            _remove(os.path.join(self._deleted, entry))
+            remove_path(os.path.join(self._deleted, entry))
         if remove:
             with contextlib.suppress(OSError):
                 os.rmdir(self._deleted)
@@ -681,12 +319,12 @@ class CheckpointManager:
         step = _check_step(step)
         if not force and not self.manager.should_save(step):
             return False
-        args, metadata = _save_items(opt, params)
+        args, metadata = save_items(opt, params)
         saved = bool(self.manager.save(step, args=args, force=force, custom_metadata=metadata))
         self._empty_deleted()  # orbax waited for the previous save, and its deletions, to finish
         return saved
 
-    def _reader(self, step: int | None, verify: bool) -> _Reader:
+    def _reader(self, step: int | None, verify: bool) -> Reader:
         if step is None:
             self.manager.reload()
             step = self.manager.latest_step()
@@ -699,7 +337,7 @@ class CheckpointManager:
                     f"No checkpoint of step {step} in {self.directory}; steps: {list(self.all_steps())}."
                 )
         where = os.path.join(self.directory, str(step))
-        return _Reader(
+        return Reader(
             where,
             lambda: self.manager.metadata(step),
             lambda args: self.manager.restore(step, args=args),

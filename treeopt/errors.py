@@ -157,6 +157,18 @@ class TreeMismatchError(ValueError):
             unexpected=tuple(sorted(unexpected)),
             mismatched=tuple(sorted(mismatched)),
         )
+        return cls.of(lead, report, hint)
+
+    @classmethod
+    def of(cls, lead: str, report: LoadReport, hint: str = "") -> TreeMismatchError:
+        """The error whose message is ``lead``, then the report's problems, then ``hint``.
+
+        Example:
+            >>> print(StateDictError.of("The state dict does not match", LoadReport(unexpected=("x",))))
+            The state dict does not match:
+            unexpected (1):
+              x
+        """
         message = f"{lead}:\n{report.problems()}"
         return cls(message + (f"\n{hint}" if hint else ""), report)
 
@@ -197,6 +209,18 @@ class StateDictWarning(UserWarning):
         super().__init__(message)
         self.report = report
 
+    @classmethod
+    def of(cls, lead: str, report: LoadReport) -> StateDictWarning:
+        """The warning whose message is ``lead``, then the paths that did not load.
+
+        Example:
+            >>> print(StateDictWarning.of("kept", LoadReport(missing=("step",))))
+            kept:
+            missing (1):
+              step
+        """
+        return cls(f"{lead}:\n{report.problems()}", report)
+
 
 class CheckpointError(ValueError):
     """A checkpoint (or serialized bytes) that cannot be read: incomplete, truncated or corrupted.
@@ -214,21 +238,30 @@ class CheckpointError(ValueError):
 
 
 def describe(x: object) -> str:
-    """A leaf as an error message shows it: ``dtype[shape]`` for arrays, else its type's name.
+    """A value as an error message shows it: ``dtype[shape]`` for arrays, else its type and value.
+
+    Arrays (jax, numpy, traced, abstract ``ShapeDtypeStruct``s) read
+    ``float32[2, 3]``; scalars (Python's and NumPy's) and other objects their
+    type and value, cut at 60 characters; strings are quoted.
 
     Example:
         >>> import numpy as np
         >>> describe(np.zeros((2, 3), np.float32)), describe(None), describe([1])
-        ('float32[2, 3]', 'None', 'list')
+        ('float32[2, 3]', 'None', 'list [1]')
+        >>> describe(float("nan")), describe(np.float32(0.5)), describe("lr")
+        ('float nan', 'float32 0.5', "the string 'lr'")
     """
     if x is None:
         return "None"
     if isinstance(x, (str, bytes)):
         return f"the string {x!r}"[:60]
+    if isinstance(x, np.generic):
+        return f"{dtype_name(x.dtype)} {x}"
     shape, dtype = getattr(x, "shape", None), getattr(x, "dtype", None)
-    if shape is None or dtype is None:
-        return type(x).__name__
-    return f"{dtype_name(dtype)}{list(shape)}"
+    if shape is not None and dtype is not None:
+        return f"{dtype_name(dtype)}{list(shape)}"
+    text = repr(x)
+    return f"{type(x).__name__} {text[:60] + '...' if len(text) > 60 else text}"
 
 
 def dtype_name(dtype: object) -> str:

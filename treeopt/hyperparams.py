@@ -25,7 +25,10 @@ import optax
 from jax.tree_util import DictKey, SequenceKey
 
 from treeopt._paths import path_to_name
+from treeopt.errors import describe
 from treeopt.typing import OptState
+
+__all__ = ["Hyperparams", "get_hyperparams", "set_hyperparams"]
 
 _INJECTED_STATES = (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState)
 
@@ -153,20 +156,6 @@ def _spec(dtype: np.dtype, shape: tuple[int, ...]) -> str:
     return f"{dtype.name}{list(shape)}"
 
 
-def _given(value: Any) -> str:
-    if value is None:
-        return "None"
-    if isinstance(value, jax.core.Tracer):
-        return f"a traced {_spec(np.dtype(value.dtype), tuple(value.shape))} value"
-    if hasattr(value, "dtype") and hasattr(value, "shape") and not isinstance(value, np.generic):
-        try:
-            return f"a {_spec(np.dtype(value.dtype), tuple(value.shape))} array"
-        except TypeError:
-            return type(value).__name__
-    text = repr(value)
-    return f"{type(value).__name__} {text[:60] + '...' if len(text) > 60 else text}"
-
-
 def _default_float() -> np.dtype:
     return np.dtype(jax.dtypes.canonicalize_dtype(np.float64))
 
@@ -205,67 +194,22 @@ def checked_value(key: str, old: Any, value: Any) -> jax.Array:
         Cannot set hyperparameter 'learning_rate' (float32[]): expected a finite number, got float nan.
     """
     dtype, shape, weak = _aval(old)
-
-    def refuse(error: type[Exception], expected: str) -> Exception:
-        return error(
-            f"Cannot set hyperparameter '{key}' ({_spec(dtype, shape)}): expected {expected}, "
-            f"got {_given(value)}."
-        )
-
-    def in_range(target: np.dtype) -> str:
-        if jnp.issubdtype(target, jnp.integer):
-            info = jnp.iinfo(target)
-            return f"a value in the {target.name} range [{info.min}, {info.max}]"
-        big = float(jnp.finfo(target).max)
-        return f"a value in the {target.name} range [{-big:g}, {big:g}]"
-
+    refuse = _Refusal(key, dtype, shape, value)
     a_number = "a real number" + (f" or a {_spec(dtype, shape)} array" if shape else "")
     if value is None or isinstance(value, (str, bytes)):
         raise refuse(TypeError, a_number)
-    traced = isinstance(value, jax.core.Tracer)
-    host: np.ndarray | None = None
-    if isinstance(value, jax.Array):
-        given_dtype, given_shape = np.dtype(value.dtype), tuple(value.shape)
-        if not traced and value.is_fully_addressable:
-            host = np.asarray(value)
-    else:
-        try:
-            host = np.asarray(value)
-        except (TypeError, ValueError, OverflowError):
-            raise refuse(TypeError, a_number) from None
-        if host.dtype == object and isinstance(value, int):  # beyond int64
-            if not jnp.issubdtype(dtype, jnp.floating):
-                raise refuse(ValueError, in_range(dtype))
-            try:
-                host = np.asarray(float(value))  # range-checked as a float below
-            except OverflowError:
-                raise refuse(ValueError, in_range(dtype)) from None
-        given_dtype, given_shape = host.dtype, host.shape
+    given_dtype, given_shape, host = _given(value, dtype, refuse, a_number)
     if jnp.issubdtype(given_dtype, jnp.complexfloating):
         raise refuse(TypeError, "a real number (complex values are not hyperparameters)")
     if not (jnp.issubdtype(given_dtype, jnp.integer) or jnp.issubdtype(given_dtype, jnp.floating)):
         raise refuse(TypeError, a_number)
     if given_shape not in {(), shape}:
         raise refuse(ValueError, "a scalar" + (f" or a {_spec(dtype, shape)} array" if shape else ""))
-
     promote = jnp.issubdtype(dtype, jnp.integer) and jnp.issubdtype(given_dtype, jnp.floating)
     target = _default_float() if promote else dtype
-
     if host is not None:
-        if jnp.issubdtype(host.dtype, jnp.floating) and not np.isfinite(host).all():
-            raise refuse(ValueError, "a finite number")
-        if jnp.issubdtype(target, jnp.integer):
-            info = jnp.iinfo(target)
-            if host.size and (host.min() < info.min or host.max() > info.max):
-                raise refuse(ValueError, in_range(target))
-        elif jnp.issubdtype(target, jnp.floating):
-            with np.errstate(over="ignore"):
-                overflows = not np.isfinite(host.astype(target)).all()
-            if overflows:
-                raise refuse(ValueError, in_range(target))
-
-    # Always a new buffer (copy=True): the caller keeps its array, even when the
-    # optimizer's state is donated.
+        _check_representable(host, target, refuse)
+    # Always a new buffer: the caller keeps its array, even when the optimizer's state is donated.
     if host is not None:
         # A host-to-device transfer makes the new buffer: unlike an on-device copy,
         # it compiles no program, so setting a value never shows up as a compile.
@@ -277,6 +221,65 @@ def checked_value(key: str, old: Any, value: Any) -> jax.Array:
     if weak and target == dtype:
         new = _weak(new)
     return new
+
+
+class _Refusal:
+    """The error for a value a hyperparameter cannot take: ``refuse(TypeError, "a real number")``."""
+
+    def __init__(self, key: str, dtype: np.dtype, shape: tuple[int, ...], value: Any):
+        self.key, self.dtype, self.shape, self.value = key, dtype, shape, value
+
+    def __call__(self, error: type[Exception], expected: str) -> Exception:
+        return error(
+            f"Cannot set hyperparameter '{self.key}' ({_spec(self.dtype, self.shape)}): expected {expected}, "
+            f"got {describe(self.value)}."
+        )
+
+
+def _in_range(target: np.dtype) -> str:
+    if jnp.issubdtype(target, jnp.integer):
+        info = jnp.iinfo(target)
+        return f"a value in the {target.name} range [{info.min}, {info.max}]"
+    big = float(jnp.finfo(target).max)
+    return f"a value in the {target.name} range [{-big:g}, {big:g}]"
+
+
+def _given(
+    value: Any, dtype: np.dtype, refuse: _Refusal, a_number: str
+) -> tuple[np.dtype, tuple[int, ...], np.ndarray | None]:
+    """``(dtype, shape, host copy or None)`` of a new value; ``None`` when traced or not addressable."""
+    if isinstance(value, jax.Array):
+        host = None
+        if not isinstance(value, jax.core.Tracer) and value.is_fully_addressable:
+            host = np.asarray(value)
+        return np.dtype(value.dtype), tuple(value.shape), host
+    try:
+        host = np.asarray(value)
+    except (TypeError, ValueError, OverflowError):
+        raise refuse(TypeError, a_number) from None
+    if host.dtype == object and isinstance(value, int):  # beyond int64
+        if not jnp.issubdtype(dtype, jnp.floating):
+            raise refuse(ValueError, _in_range(dtype))
+        try:
+            host = np.asarray(float(value))  # range-checked as a float
+        except OverflowError:
+            raise refuse(ValueError, _in_range(dtype)) from None
+    return host.dtype, host.shape, host
+
+
+def _check_representable(host: np.ndarray, target: np.dtype, refuse: _Refusal) -> None:
+    """Refuses NaN, infinities and values outside ``target``'s range."""
+    if jnp.issubdtype(host.dtype, jnp.floating) and not np.isfinite(host).all():
+        raise refuse(ValueError, "a finite number")
+    if jnp.issubdtype(target, jnp.integer):
+        info = jnp.iinfo(target)
+        if host.size and (host.min() < info.min or host.max() > info.max):
+            raise refuse(ValueError, _in_range(target))
+    elif jnp.issubdtype(target, jnp.floating):
+        with np.errstate(over="ignore"):
+            overflows = not np.isfinite(host.astype(target)).all()
+        if overflows:
+            raise refuse(ValueError, _in_range(target))
 
 
 def _scheduled_error(key: str, name: str) -> ValueError:

@@ -10,8 +10,8 @@
   ``"checksum"`` of its arrays, so a corrupted blob raises instead of loading.
   :func:`to_bytes` / :func:`from_bytes` here are the same with a clearer error
   for undecodable bytes.
-- Orbax checkpoints: :func:`save` / :func:`restore` / :class:`CheckpointManager`,
-  defined in :mod:`treeopt.checkpoint` and importable from here too.
+- Orbax checkpoints are in :mod:`treeopt.checkpoint` (``save``, ``restore``,
+  ``CheckpointManager``).
 - :func:`warm_start`: start a new optimizer from another one's state, by name
   (e.g. adam -> adamw keeping ``mu``/``nu``).
 
@@ -26,28 +26,32 @@ from typing import Any
 import flax.serialization
 
 from treeopt import _state_dict as _sd
-from treeopt._checksum import CHECKSUM_KEY, checksum
+from treeopt import errors
+from treeopt._checksum import CHECKSUM_KEY, with_checksum
+from treeopt._deprecated import moved_names
 from treeopt._state_dict import check_state_dict
-from treeopt.checkpoint import CheckpointManager, restore, restore_state_dict, save
-from treeopt.errors import CheckpointError, LoadReport, StateDictError, StateDictWarning
+from treeopt.errors import LoadReport, StateDictError, StateDictWarning
 from treeopt.masks import name_matcher
 from treeopt.optimizer import Optimizer
 
 __all__ = [
     "CHECKSUM_KEY",
-    "CheckpointError",
-    "CheckpointManager",
     "LoadReport",
     "StateDictError",
     "StateDictWarning",
     "check_state_dict",
     "from_bytes",
-    "restore",
-    "restore_state_dict",
-    "save",
     "to_bytes",
     "warm_start",
 ]
+
+__getattr__ = moved_names(
+    __name__,
+    {
+        "CheckpointError": "treeopt.errors",
+        **dict.fromkeys(("CheckpointManager", "restore", "restore_state_dict", "save"), "treeopt.checkpoint"),
+    },
+)
 
 # -- flax.serialization ----------------------------------------------------------------
 
@@ -55,8 +59,7 @@ __all__ = [
 def _flax_to_state_dict(opt: Optimizer) -> dict[str, Any]:
     if not opt.initialized:
         return {}
-    sd = opt.state_dict()
-    return {**sd, CHECKSUM_KEY: checksum(_sd.flatten_paths(sd))}
+    return with_checksum(opt.state_dict())
 
 
 def _flax_from_state_dict(opt: Optimizer, state: Any) -> Optimizer:
@@ -93,7 +96,7 @@ def from_bytes(target: Optimizer, data: bytes) -> Optimizer:
     """``flax.serialization.from_bytes(target, data)``, with a clear error for bad bytes.
 
     ``target`` is an initialized optimizer or an abstract one
-    (``jax.eval_shape(opt.init, params)``). Raises :class:`CheckpointError` when
+    (``jax.eval_shape(opt.init, params)``). Raises :class:`~treeopt.errors.CheckpointError` when
     ``data`` is not a msgpack blob (truncated, corrupted) and
     :class:`StateDictError` when it decodes but does not match ``target`` or its
     checksum.
@@ -111,12 +114,12 @@ def from_bytes(target: Optimizer, data: bytes) -> Optimizer:
     try:
         state = flax.serialization.msgpack_restore(bytes(data))
     except Exception as e:
-        raise CheckpointError(
+        raise errors.CheckpointError(
             f"Could not decode {len(data)} bytes as a msgpack state dict: they are truncated "
             f"or corrupted ({type(e).__name__}: {e})."
         ) from e
     if not isinstance(state, Mapping):
-        raise CheckpointError(
+        raise errors.CheckpointError(
             f"The bytes decode to a {type(state).__name__}, not a state dict: they are corrupted."
         )
     return flax.serialization.from_state_dict(target, dict(state))

@@ -13,7 +13,7 @@ from typing import Any, Union
 import flax.serialization
 from flax import struct
 
-from treeopt.serialization import StateDictError
+from treeopt.internal import with_checksum
 from treeopt.t5x import _state
 
 
@@ -92,21 +92,10 @@ class OptimizerDef:
         kind (an integer where a float is stored, ``None``, a string) raise one
         :class:`treeopt.serialization.StateDictError` (a ``ValueError``)
         listing every such path. Empty entries T5X leaves out are put back.
-        Other top-level keys of ``state_dict`` (``flax_mutables``) are ignored.
+        Other top-level keys of ``state_dict`` (``flax_mutables``) are ignored;
+        a ``"checksum"`` (bytes written by treeopt.t5x) is verified.
         """
-        if not isinstance(state_dict, Mapping):
-            raise StateDictError(
-                f"Expected the optimizer's state dict {{'target': ..., 'state': ...}}, "
-                f"got {type(state_dict).__name__}."
-            )
-        missing = [key for key in ("target", "state") if key not in state_dict]
-        if missing:
-            raise StateDictError(
-                f"The optimizer's state dict has no {missing} entry (its keys: {sorted(map(str, state_dict))})."
-            )
-        target, state = _state.restore(
-            (opt_target, state_dict["target"], "target"), (opt_state, state_dict["state"], "state")
-        )
+        target, state = _state.restore(opt_target, opt_state, state_dict)
         return target, state
 
 
@@ -158,14 +147,15 @@ OptimizerStateType = Union[OptimizerState, Mapping[str, Any]]  # noqa: UP007 - T
 
 
 def _to_flax(opt: Optimizer) -> dict[str, Any]:
-    return _state.with_checksum(opt.state_dict())
+    return with_checksum(opt.state_dict())
 
 
 def _from_flax(opt: Optimizer, state_dict: Any) -> Optimizer:
-    return opt.restore_state(_state.verify_checksum(state_dict, ("target", "state")))
+    _state.check_parts(state_dict, allowed_others=False)  # in bytes, another key is a corrupted one
+    return opt.restore_state(state_dict)
 
 
-# flax.serialization.to_bytes(opt) is msgpack of the T5X state dict plus a checksum, so a
-# corrupted blob raises instead of loading other numbers; blobs without one (written by
-# T5X) load unverified.
+# flax.serialization.to_bytes(opt) is msgpack of the T5X state dict plus the core's checksum,
+# so a corrupted blob raises instead of loading other numbers; blobs without one (written by
+# T5X) load unverified, and those of earlier treeopt.t5x versions verify their SHA-256 digest.
 flax.serialization.register_serialization_state(Optimizer, _to_flax, _from_flax, override=True)

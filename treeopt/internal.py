@@ -1,0 +1,45 @@
+"""What the layers built on the core (``treeopt.t5x``, ``treeopt.nnx``) use of it, beyond the public API.
+
+Not part of the public API: these names may change in any release. Users
+call the public modules (``treeopt``, ``treeopt.serialization``,
+``treeopt.checkpoint``, ``treeopt.partitioning``, ...); a layer that keeps
+the optimizer's state in another shape uses these to share the core's work
+rather than repeat it: the state-dict engine and its policies, the checksum,
+the checked conversion of hyperparameter values, the names of key paths,
+and the spec derivation that ZeRO-1 builds on.
+
+Example:
+    >>> import jax.numpy as jnp
+    >>> from treeopt import internal
+    >>> target = internal.Target.of({"w": jnp.zeros(2)}, plain=lambda tree: tree)
+    >>> tree, report = internal.load(
+    ...     target, internal.StateDictSource({"w": jnp.ones(2)}), internal.EXACT, internal.Messages("", "", ""))
+    >>> tree["w"], report.ok
+    (Array([1., 1.], dtype=float32), True)
+"""
+
+from treeopt._checksum import with_checksum
+from treeopt._engine import BY_KIND, EXACT, Messages, Policy, StateDictSource, Target, load
+from treeopt._paths import path_to_name
+from treeopt._specs import derive_spec, is_spec, per_dimension_axes, spec_leaves_with_names
+from treeopt._zero import ZeroLeafSpec, zero_leaf_spec
+from treeopt.hyperparams import checked_value
+
+__all__ = [
+    "BY_KIND",
+    "EXACT",
+    "Messages",
+    "Policy",
+    "StateDictSource",
+    "Target",
+    "ZeroLeafSpec",
+    "checked_value",
+    "derive_spec",
+    "is_spec",
+    "load",
+    "path_to_name",
+    "per_dimension_axes",
+    "spec_leaves_with_names",
+    "with_checksum",
+    "zero_leaf_spec",
+]
