@@ -24,7 +24,7 @@ import pytest
 from flax import nnx
 
 import treeopt
-from treeopt.optimizer import flat_step
+from treeopt.step import flat_step
 
 import _helpers
 from _helpers import assert_trees_equal

@@ -107,7 +107,7 @@ def test_repr_shows_transformation_step_and_size():
 
 
 def test_flat_step_is_the_pure_step_update_runs_on():
-    from treeopt.optimizer import flat_step
+    from treeopt.step import flat_step
 
     tx = optax.adam(0.1)
     params = {"a/b": jnp.array([1.0, 2.0]), "c": jnp.array(3.0)}

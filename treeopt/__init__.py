@@ -13,6 +13,8 @@ from treeopt import (  # serialization registers Optimizer with flax
     keys,
     partitioning,
     serialization,
+    step,
+    typing,
 )
 from treeopt._paths import leaf_names
 from treeopt.hyperparams import get_hyperparams, set_hyperparams

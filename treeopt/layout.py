@@ -2,8 +2,9 @@
 
 Computed once at ``Optimizer.init`` and kept as static aux data, so flattening
 params to the flat named dict (and back) costs one ``jax.tree.flatten`` and an
-index lookup; names are never recomputed on the hot path. Public, so layers
-built on the core (``treeopt.t5x``) flatten and re-nest params the same way.
+index lookup; names are never recomputed on the hot path. ``opt.layout`` is
+an optimizer's, so code built on the core flattens and re-nests params the
+same way.
 
 Example:
     >>> import jax.numpy as jnp
@@ -37,22 +38,12 @@ from treeopt._paths import (
     is_nnx_variable,
     leaf_infos,
     leaf_names,
-    path_to_name,
 )
 from treeopt.errors import TreeMismatchError, describe
 from treeopt.masks import name_matcher
 from treeopt.typing import FlatParams, Params, Updates
 
-__all__ = [
-    "Flattened",
-    "ParamLayout",
-    "Wrt",
-    "is_float_array",
-    "is_lookahead",
-    "is_nnx_filter",
-    "leaf_names",
-    "path_to_name",
-]
+__all__ = ["Flattened", "ParamLayout", "Wrt"]
 
 Wrt = Any
 """What ``wrt=`` accepts: None, a glob or sequence of globs, a ``(name, leaf)`` predicate, or an nnx filter."""
@@ -264,7 +255,7 @@ class ParamLayout:
     def __eq__(self, other: object) -> bool:
         if self is other:
             return True
-        if not isinstance(other, ParamLayout) or self._hash != other._hash:
+        if not isinstance(other, ParamLayout) or hash(self) != hash(other):
             return False
         return (
             self.treedef == other.treedef

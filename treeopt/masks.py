@@ -20,6 +20,8 @@ import jax.numpy as jnp
 from treeopt._paths import leaf_names
 from treeopt.typing import Params, TreeFn
 
+__all__ = ["labels", "mask", "name_matcher"]
+
 
 def name_matcher(patterns: str | Iterable[str], regex: bool = False) -> Callable[[str], bool]:
     """A predicate that is True for names matching any of ``patterns``.

@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 from jax.tree_util import GetAttrKey
 
-from treeopt import _state_dict, _zero
+from treeopt import _state_dict
 from treeopt import hyperparams as _hyperparams
+from treeopt._deprecated import moved_names
 from treeopt._extra_args import as_optax_extra_args
 from treeopt._paths import is_nnx_graph, is_nnx_object
+from treeopt._state_specs import optimizer_state_specs
 from treeopt._trace_guard import (
     CAPTURED,
     concrete_or_eager_autodiff,
@@ -23,10 +25,12 @@ from treeopt._trace_guard import (
     strong,
 )
 from treeopt.layout import ParamLayout, Wrt, is_lookahead
-from treeopt.step import FlatStep, flat_step, stable_dtypes
+from treeopt.step import flat_step, stable_dtypes
 from treeopt.typing import Params, ParamSpecs, StateDict, Updates
 
-__all__ = ["FlatStep", "Optimizer", "flat_step"]
+__all__ = ["Optimizer"]
+
+__getattr__ = moved_names(__name__, {"FlatStep": "treeopt.step"})
 
 _FIELDS = ("tx", "wrt", "_layout", "_lookahead", "step", "opt_state")
 
@@ -173,7 +177,22 @@ class Optimizer:
     @property
     def paths(self) -> tuple[str, ...]:
         """Names of the trainable parameters, e.g. ``("decoder/layers_0/kernel", ...)``."""
-        return self._require_layout().names
+        return self.layout.names
+
+    @property
+    def layout(self) -> ParamLayout:
+        """Where the trainable leaves of the params are, and their names (static, read-only).
+
+        Raises ``RuntimeError`` before ``init``. Layers built on the core use it to
+        flatten and re-nest params as the optimizer does.
+
+        Example:
+            >>> import jax.numpy as jnp, optax, treeopt
+            >>> opt = treeopt.Optimizer(optax.sgd(0.1)).init({"w": jnp.ones(2), "n": 3})
+            >>> opt.layout.names
+            ('w',)
+        """
+        return self._require_layout()
 
     def init(self, params: Params) -> Optimizer:
         """A new, initialized optimizer for ``params`` (``self`` is left unchanged).
@@ -252,6 +271,26 @@ class Optimizer:
             >>> model.bias[...]
             Array([-0.5], dtype=float32)
         """
+        inputs = self._flat_inputs(grads, params, apply_updates, extra_args)
+        result = flat_step(
+            self.tx,
+            self.step,
+            self.opt_state,
+            inputs.grads,
+            inputs.params,
+            apply_updates=apply_updates,
+            extra_args=inputs.extra_args,
+        )
+        if not is_tracer(self.step) and not concrete_or_eager_autodiff(result.step):
+            raise RuntimeError(CAPTURED)  # a trace we could not see from the inputs
+        object.__setattr__(self, "step", result.step)
+        object.__setattr__(self, "opt_state", result.opt_state)
+        return inputs.rebuild(result.output)
+
+    def _flat_inputs(
+        self, grads: Any, params: Any, apply_updates: bool, extra_args: dict[str, Any]
+    ) -> _FlatInputs:
+        """The arguments of ``update``, checked and flattened by name, and how to rebuild its result."""
         layout = self._require_layout()
         if apply_updates and params is None:
             raise ValueError(
@@ -274,25 +313,15 @@ class Optimizer:
             refuse_foreign_trace(self.step)
         else:
             refuse_capture((flat_grads, flat_params, extra_args))
-        result = flat_step(
-            self.tx,
-            self.step,
-            self.opt_state,
-            flat_grads,
-            flat_params,
-            apply_updates=apply_updates,
-            extra_args=extra_args,
-        )
-        if not is_tracer(self.step) and not concrete_or_eager_autodiff(result.step):
-            raise RuntimeError(CAPTURED)  # a trace we could not see from the inputs
-        object.__setattr__(self, "step", result.step)
-        object.__setattr__(self, "opt_state", result.opt_state)
-        out = result.output
-        if apply_updates:
-            return merge_params(out)
-        if self._lookahead:
-            return optax.LookaheadParams(rebuild_grads(out.fast), rebuild_grads(out.slow))
-        return rebuild_grads(out)
+
+        def rebuild(out: Any) -> Any:
+            if apply_updates:
+                return merge_params(out)
+            if self._lookahead:
+                return optax.LookaheadParams(rebuild_grads(out.fast), rebuild_grads(out.slow))
+            return rebuild_grads(out)
+
+        return _FlatInputs(flat_grads, flat_params, extra_args, rebuild)
 
     def _split_params(self, params: Any) -> tuple[Any, Any]:
         """``(flat params for tx.update, merge)``; ``merge(flat)`` rebuilds params of the given type."""
@@ -470,7 +499,7 @@ class Optimizer:
             (P('data', 'model'), P('data',), P())
         """
         layout = self._require_layout()
-        state = _zero.optimizer_state_specs(
+        state = optimizer_state_specs(
             self.opt_state, layout, param_specs, shard_state_over=shard_state_over, mesh=mesh
         )
         return Optimizer._tree_unflatten(
@@ -500,6 +529,15 @@ class Optimizer:
         step = self.step
         step_text = "traced" if is_tracer(step) else str(jax.device_get(step))
         return f"Optimizer(tx={_tx_name(self.tx)}, step={step_text}, params={len(self._layout.names)})"
+
+
+class _FlatInputs(NamedTuple):
+    """What ``update`` hands the pure step, and how it turns the step's output into its result."""
+
+    grads: Any
+    params: Any
+    extra_args: dict[str, Any]
+    rebuild: Callable[[Any], Any]
 
 
 def _swapped_message(grads: Any, params: Any) -> str:

@@ -29,35 +29,39 @@ import jax
 from flax.core import meta
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from treeopt._specs import (
-    check_axes,
-    derive_spec,
-    flat_param_specs,
-    is_spec,
-    per_dimension_axes,
-    spec_leaves_with_names,
-)
-from treeopt._zero import ZeroLeaf, ZeroLeafSpec, ZeroReport, optimizer_state_specs, zero_leaf_spec, zero_plan
+from treeopt._deprecated import moved_names
+from treeopt._specs import check_axes, flat_param_specs, is_spec
+from treeopt._state_specs import optimizer_state_specs
+from treeopt._zero import ZeroLeaf, ZeroReport, zero_plan
 from treeopt.optimizer import Optimizer
 from treeopt.typing import Params, ParamSpecs
 
 __all__ = [
     "ZeroLeaf",
-    "ZeroLeafSpec",
     "ZeroReport",
-    "derive_spec",
     "init_sharded",
-    "is_spec",
     "logical_to_mesh_specs",
     "named_shardings",
     "optimizer_shardings",
     "optimizer_specs",
     "param_specs_of",
-    "per_dimension_axes",
-    "spec_leaves_with_names",
-    "zero_leaf_spec",
     "zero_report",
 ]
+
+__getattr__ = moved_names(
+    __name__,
+    dict.fromkeys(
+        (
+            "ZeroLeafSpec",
+            "derive_spec",
+            "is_spec",
+            "per_dimension_axes",
+            "spec_leaves_with_names",
+            "zero_leaf_spec",
+        ),
+        "treeopt.internal",
+    ),
+)
 
 LogicalRules = Sequence[tuple[str, str | tuple[str, ...] | None]]
 AxisNames = str | Sequence[str]
@@ -155,7 +159,7 @@ def _mesh_param_specs(
         param_specs = param_specs_of(param_specs)
     if rules is not None:
         param_specs = logical_to_mesh_specs(param_specs, rules)
-    flat = flat_param_specs(param_specs, opt._require_layout())
+    flat = flat_param_specs(param_specs, opt.layout)
     if mesh is not None:
         for name, spec in flat.items():
             check_axes(spec, mesh, f"PartitionSpec of parameter '{name}'")
@@ -207,7 +211,7 @@ def optimizer_specs(
     """
     flat = _mesh_param_specs(opt, param_specs, mesh, rules)
     state = optimizer_state_specs(
-        opt.opt_state, opt._require_layout(), flat, shard_state_over=shard_state_over, mesh=mesh
+        opt.opt_state, opt.layout, flat, shard_state_over=shard_state_over, mesh=mesh
     )
     return _optimizer_shaped(opt, state)
 
@@ -297,7 +301,7 @@ def zero_report(
         [('opt_state[0].count', 'not param-owned')]
     """
     flat = _mesh_param_specs(opt, param_specs, mesh, rules)
-    return zero_plan(opt.opt_state, opt._require_layout(), flat, shard_state_over, mesh)[1]
+    return zero_plan(opt.opt_state, opt.layout, flat, shard_state_over, mesh)[1]
 
 
 def _has_boxes(tree: Any) -> bool:

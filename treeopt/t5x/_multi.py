@@ -10,8 +10,7 @@ import jax.numpy as jnp
 from flax import traverse_util
 from flax.core import FrozenDict
 
-from treeopt.layout import path_to_name
-from treeopt.partitioning import is_spec
+from treeopt.internal import is_spec, path_to_name
 from treeopt.t5x import _state
 from treeopt.t5x._base import Optimizer, OptimizerDef, OptimizerState
 from treeopt.t5x._optax import OptaxWrapper
@@ -61,7 +60,7 @@ def _keeps_tuple_state(opt_def: OptimizerDef) -> bool:
     """Whether a sub-optimizer's state is not one entry per parameter (an optax state)."""
     if isinstance(opt_def, OptaxWrapper):
         return True
-    return isinstance(opt_def, MultiOptimizer) and opt_def._tuple_layout
+    return isinstance(opt_def, MultiOptimizer) and opt_def.tuple_layout
 
 
 class MultiOptimizer(OptimizerDef):
@@ -113,6 +112,23 @@ class MultiOptimizer(OptimizerDef):
         self.traversals = traversals
         self.sub_optimizers = sub_optimizers
         self._tuple_layout = any(_keeps_tuple_state(opt) for opt in sub_optimizers)
+
+    @property
+    def tuple_layout(self) -> bool:
+        """Whether ``param_states`` is a tuple of the sub-optimizers' states (optax ones among them).
+
+        Otherwise it is shaped like the target, as T5X stores it.
+
+        Example:
+            >>> from flax import traverse_util
+            >>> from treeopt.t5x import adafactor, optimizers
+            >>> everything = traverse_util.ModelParamTraversal(lambda path, _: True)
+            >>> optimizers.MultiOptimizer([(everything, optimizers.sgd(1.0))]).tuple_layout
+            True
+            >>> optimizers.MultiOptimizer([(everything, adafactor.Adafactor(0.1))]).tuple_layout
+            False
+        """
+        return self._tuple_layout
 
     # -- which params each sub-optimizer owns ---------------------------------------------------
 

@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec
 from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey
 
 from treeopt.errors import TreeMismatchError
-from treeopt.partitioning import derive_spec, is_spec, per_dimension_axes
+from treeopt.internal import derive_spec, is_spec, per_dimension_axes
 
 KeyPath = tuple[Any, ...]
 Shape = tuple[int, ...]

@@ -22,7 +22,7 @@ import numpy as np
 from flax.linen import partitioning as flax_partitioning
 from jax.sharding import PartitionSpec
 
-from treeopt.partitioning import zero_leaf_spec
+from treeopt.internal import zero_leaf_spec
 from treeopt.t5x._base import Optimizer, OptimizerState
 
 logger = logging.getLogger(__name__)

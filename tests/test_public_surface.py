@@ -1,0 +1,162 @@
+"""The public surface is honest, and the package keeps the shape that makes it easy to read.
+
+- Every public module's ``__all__`` names exist, and the building blocks the
+  layers above the core need are in ``treeopt.internal``, not in a public
+  ``__all__``.
+- Names that moved still import from their old home, with a
+  ``DeprecationWarning`` naming the new one.
+- The layers built on the core (``treeopt.t5x``) import from the core only
+  public ``__all__`` names or ``treeopt.internal``.
+- No module of ``treeopt`` reaches into another object's private members;
+  no module is over 600 lines, no function over 80.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import warnings
+from pathlib import Path
+
+import pytest
+
+import treeopt
+
+PACKAGE = Path(treeopt.__file__).parent
+
+PUBLIC = {
+    "treeopt": None,
+    "treeopt.serialization": None,
+    "treeopt.checkpoint": None,
+    "treeopt.errors": None,
+    "treeopt.keys": None,
+    "treeopt.step": None,
+    "treeopt.typing": None,
+    "treeopt.partitioning": None,
+    "treeopt.hyperparams": None,
+    "treeopt.masks": None,
+    "treeopt.layout": None,
+    "treeopt.optimizer": None,
+}
+
+INTERNAL_ONLY = {
+    "derive_spec",
+    "per_dimension_axes",
+    "spec_leaves_with_names",
+    "is_spec",
+    "zero_leaf_spec",
+    "ZeroLeafSpec",
+    "checked_value",
+    "path_to_name",
+}
+
+MOVED = [
+    ("treeopt.partitioning", "derive_spec", "treeopt.internal"),
+    ("treeopt.partitioning", "per_dimension_axes", "treeopt.internal"),
+    ("treeopt.partitioning", "spec_leaves_with_names", "treeopt.internal"),
+    ("treeopt.partitioning", "zero_leaf_spec", "treeopt.internal"),
+    ("treeopt.partitioning", "ZeroLeafSpec", "treeopt.internal"),
+    ("treeopt.serialization", "save", "treeopt.checkpoint"),
+    ("treeopt.serialization", "restore", "treeopt.checkpoint"),
+    ("treeopt.serialization", "restore_state_dict", "treeopt.checkpoint"),
+    ("treeopt.serialization", "CheckpointManager", "treeopt.checkpoint"),
+    ("treeopt.serialization", "CheckpointError", "treeopt.errors"),
+    ("treeopt.checkpoint", "CheckpointError", "treeopt.errors"),
+    ("treeopt.optimizer", "FlatStep", "treeopt.step"),
+]
+
+
+@pytest.mark.parametrize("name", sorted(PUBLIC))
+def test_every_name_in_a_public_all_exists_and_none_is_internal(name):
+    module = importlib.import_module(name)
+    assert module.__all__, f"{name} has no __all__"
+    for exported in module.__all__:
+        assert hasattr(module, exported), f"{name}.__all__ lists {exported!r}, which it does not define"
+    assert not INTERNAL_ONLY & set(module.__all__)
+
+
+def test_the_internal_module_holds_the_building_blocks():
+    internal = importlib.import_module("treeopt.internal")
+    assert set(internal.__all__) >= INTERNAL_ONLY
+    for name in internal.__all__:
+        assert hasattr(internal, name)
+
+
+@pytest.mark.parametrize(("old_home", "name", "new_home"), MOVED)
+def test_a_moved_name_still_imports_with_a_deprecation_warning(old_home, name, new_home):
+    with pytest.warns(DeprecationWarning, match=rf"{old_home}\.{name} moved: import it from {new_home}\."):
+        old = getattr(importlib.import_module(old_home), name)
+    assert old is getattr(importlib.import_module(new_home), name)
+
+
+def test_an_unknown_name_is_still_an_attribute_error():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(AttributeError, match="no attribute 'nonexistent'"):
+            _ = treeopt.partitioning.nonexistent  # type: ignore[attr-defined]
+
+
+# -- the shape of the package --------------------------------------------------------------------
+
+
+def _modules(under: Path = PACKAGE) -> list[Path]:
+    return sorted(under.rglob("*.py"))
+
+
+def _parsed(path: Path) -> ast.Module:
+    return ast.parse(path.read_text(), filename=str(path))
+
+
+def test_the_layers_above_import_only_public_names_or_the_internal_module():
+    offending = []
+    for path in _modules(PACKAGE / "t5x"):
+        for node in ast.walk(_parsed(path)):
+            if (
+                not isinstance(node, ast.ImportFrom)
+                or not node.module
+                or not node.module.startswith("treeopt")
+            ):
+                continue
+            if node.module.startswith("treeopt.t5x") or node.module == "treeopt.internal":
+                continue
+            module = importlib.import_module(node.module)
+            for alias in node.names:
+                if alias.name not in getattr(module, "__all__", ()) and not (
+                    node.module == "treeopt" and alias.name in {"internal"}
+                ):
+                    offending.append(f"{path.name}: from {node.module} import {alias.name}")
+    assert not offending
+
+
+def test_no_module_reaches_into_another_objects_private_members():
+    offending = []
+    for path in _modules():
+        tree = _parsed(path)
+        own_classes = {node.name for node in ast.walk(tree) if isinstance(node, ast.ClassDef)}
+        for node in ast.walk(tree):
+            if not (
+                isinstance(node, ast.Attribute)
+                and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+            ):
+                continue
+            base = node.value
+            owner = base.id if isinstance(base, ast.Name) else None
+            if owner in {"self", "cls"} | own_classes or node.attr in {"_replace", "_fields", "_asdict"}:
+                continue  # its own members, or the public API of a NamedTuple
+            offending.append(f"{path.relative_to(PACKAGE)}:{node.lineno} {ast.unparse(node)}")
+    assert not offending
+
+
+def test_modules_and_functions_stay_small():
+    too_long = []
+    for path in _modules():
+        source = path.read_text()
+        if len(source.splitlines()) > 600:
+            too_long.append(f"{path.relative_to(PACKAGE)}: {len(source.splitlines())} lines")
+        for node in ast.walk(_parsed(path)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1  # type: ignore[operator]
+                if length > 80:
+                    too_long.append(f"{path.relative_to(PACKAGE)}:{node.lineno} {node.name}: {length} lines")
+    assert not too_long
