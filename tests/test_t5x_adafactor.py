@@ -17,6 +17,7 @@ import pytest
 from flax import traverse_util
 from jax.sharding import PartitionSpec as P
 
+from treeopt.t5x import _adafactor_step as adafactor_step
 from treeopt.t5x import adafactor
 from treeopt.t5x.adafactor import Adafactor, FactorDim, HParamMap, _AdafactorParamState
 from treeopt.t5x.optimizers import MultiOptimizer, OptimizerState
@@ -222,13 +223,13 @@ def test_skip_nan_updates_keeps_param_and_state():
 
 def test_a_new_learning_rate_does_not_recompile(monkeypatch):
     traced = []
-    original = adafactor._param_update
+    original = adafactor_step.param_update
 
     def counting(*args, **kwargs):
         traced.append(1)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(adafactor, "_param_update", counting)
+    monkeypatch.setattr(adafactor_step, "param_update", counting)
     params = {"a": jnp.ones((7, 13)), "b": jnp.ones(13)}  # shapes no other test uses: a fresh trace
     opt = Adafactor(0.1, min_dim_size_to_factor=2).create(params)
     grads = jax.tree.map(jnp.ones_like, params)
