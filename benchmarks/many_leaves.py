@@ -58,9 +58,7 @@ def measure(variant: str, n_leaves: int, opt_name: str, timeout_s: float = 1800)
     """One variant at one size, in a fresh Python process; ``None`` figures if it failed or ran out."""
     cmd = [sys.executable, "-m", "benchmarks.many_leaves", "--child", variant, str(n_leaves), opt_name]
     try:
-        done = subprocess.run(
-            cmd, capture_output=True, text=True, timeout=timeout_s, check=False, cwd=ROOT
-        )
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, check=False, cwd=ROOT)
     except subprocess.TimeoutExpired:
         return {"init_s": None, "first_s": None, "peak_mib": None, "error": f"over {timeout_s:.0f} s"}
     if done.returncode != 0:
@@ -86,12 +84,12 @@ def main(argv: Sequence[str]) -> None:
         variant, n_leaves, opt_name = argv[1], int(argv[2]), argv[3]
         print(json.dumps(_child(variant, n_leaves, opt_name)))
         return
-    from benchmarks import run as runner
     from benchmarks._common import FULL
+    from benchmarks._table import table
 
     counts = tuple(int(a) for a in argv) or FULL.many_leaves_counts
     profile = Profile(**{**FULL.__dict__, "many_leaves_counts": counts})
-    print(runner.table(with_ratios(run(profile, log=lambda m: print(m, file=sys.stderr)))))
+    print(table(with_ratios(run(profile, log=lambda m: print(m, file=sys.stderr)))))
 
 
 if __name__ == "__main__":

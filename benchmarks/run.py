@@ -38,6 +38,7 @@ from benchmarks import (
     zero,
 )
 from benchmarks._common import FULL, QUICK, SMOKE, Profile, Row, environment, with_ratios
+from benchmarks._table import table
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -56,84 +57,6 @@ CASES: dict[str, tuple[str, Callable[..., list[Row]]]] = {
     "nnx_loop": ("9. nnx training loop, BatchNorm + Dropout (median ms per step)", nnx_loop.run),
     "zero": ("10. ZeRO-1: adam state per device, 8 virtual CPU devices (MiB), own process", zero.run),
 }
-
-# The extra figures each case's table shows beside the value and the ratio.
-NOTES: dict[str, Sequence[tuple[str, str]]] = {
-    "train_step": (("p25_ms", "p25 {:.2f}"), ("p75_ms", "p75 {:.2f}"), ("total_s", "compile {:.1f} s")),
-    "optimizer_only": (("p25_ms", "p25 {:.2f}"), ("p75_ms", "p75 {:.2f}"), ("pytree_us", "pytree {:.0f} us")),
-    "eager_update": (("p25_ms", "p25 {:.2f}"), ("p75_ms", "p75 {:.2f}")),
-    "compile_time": (("trace_s", "trace {:.2f}"), ("lower_s", "lower {:.2f}"), ("compile_s", "XLA {:.2f}")),
-    "memory": (
-        ("argument_size_in_bytes", "args {:,}"),
-        ("output_size_in_bytes", "out {:,}"),
-        ("temp_size_in_bytes", "temp {:,}"),
-        ("alias_size_in_bytes", "alias {:,}"),
-    ),
-    "retraces": (
-        ("first_step_traces", "first step: {} traced"),
-        ("compiles", "later compiles {}"),
-        ("max_abs_diff_to_optax", "|params - optax| {:.1e}"),
-    ),
-    "gpu_bandwidth": (("median_ms", "{:.2f} ms/step"), ("device", "{}")),
-    "many_leaves": (("peak_mib", "peak RSS {:,.0f} MiB"), ("init_s", "init {:.2f} s"), ("error", "{}")),
-    "nnx_loop": (
-        ("vs_nnx_optimizer", "x nnx.Optimizer {:.3f}"),
-        ("same_losses", "same losses: {}"),
-        ("first_call_s", "first call {:.1f} s"),
-    ),
-    "zero": (
-        ("state_vs_replicated", "x replicated {:.3f}"),
-        ("median_ms", "step {:.1f} ms"),
-        ("time_vs_replicated", "time x replicated {:.2f}"),
-        ("peak_mib", "peak RSS {:,.0f} MiB"),
-        ("error", "{}"),
-    ),
-}
-
-
-def _value(row: Row) -> str:
-    if row.value is None:
-        return "-"
-    if row.unit in ("ms", "s"):
-        return f"{row.value:.3f} {row.unit}" if row.value < 10 else f"{row.value:.1f} {row.unit}"
-    if row.unit == "MiB":
-        return f"{row.value:.2f} MiB"
-    if row.unit == "traces":
-        return f"{row.value:.0f}"
-    return f"{row.value:.1f} {row.unit}"
-
-
-def _notes(row: Row) -> str:
-    parts = []
-    for key, fmt in NOTES.get(row.case, ()):
-        if key in row.extra and row.extra[key] is not None:
-            parts.append(fmt.format(row.extra[key]))
-    return ", ".join(parts)
-
-
-def table(rows: Sequence[Row], markdown: bool = False) -> str:
-    """The rows of one case as a table: config, variant, value, ratio to raw optax, notes."""
-    header = ["config", "variant", "value", "x optax", "notes"]
-    body = [
-        [
-            r.config,
-            r.variant,
-            _value(r),
-            f"{r.ratio:.3f}" if r.ratio is not None else "-",
-            _notes(r),
-        ]
-        for r in rows
-    ]
-    if markdown:
-        lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-        # A "|" inside a cell (e.g. "|params - optax|") would end the cell early.
-        lines += ["| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |" for cells in body]
-        return "\n".join(lines)
-    widths = [max(len(c[i]) for c in [header, *body]) for i in range(len(header))]
-    fmt = "  ".join(f"{{:{'<' if i < 2 else '>'}{w}}}" for i, w in enumerate(widths[:-1])) + "  {}"
-    lines = [fmt.format(*header), fmt.format(*("-" * w for w in widths[:-1]), "-----")]
-    lines += [fmt.format(*cells) for cells in body]
-    return "\n".join(lines)
 
 
 def choose(quick: bool, smoke: bool, cases: str | None) -> tuple[Profile, list[str]]:

@@ -188,10 +188,10 @@ def main(argv: Sequence[str]) -> None:
     if argv and argv[0] == "--child":
         print(json.dumps(_child(argv[1], json.loads(argv[2]), argv[3])))
         return
-    from benchmarks import run as runner
     from benchmarks._common import FULL
+    from benchmarks._table import table
 
-    print(runner.table(run(FULL, log=lambda m: print(m, file=sys.stderr))))
+    print(table(run(FULL, log=lambda m: print(m, file=sys.stderr))))
 
 
 if __name__ == "__main__":

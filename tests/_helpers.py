@@ -15,8 +15,13 @@ def assert_trees_equal(actual: Any, expected: Any) -> None:
         np.testing.assert_array_equal(np.asarray(a), np.asarray(e))
 
 
-def assert_trees_close(actual: Any, expected: Any, **tol: float) -> None:
-    """Same structure and values within ``tol`` (``rtol=``, ``atol=`` of ``np.testing.assert_allclose``)."""
+def assert_trees_close(actual: Any, expected: Any, *, same_dtypes: bool = False, **tol: float) -> None:
+    """Same structure and values within ``tol`` (``rtol=``, ``atol=`` of ``np.testing.assert_allclose``).
+
+    With ``same_dtypes``, every leaf also has the dtype and shape of the expected one.
+    """
     assert jax.tree.structure(actual) == jax.tree.structure(expected)
     for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
+        if same_dtypes:
+            assert (a.dtype, a.shape) == (e.dtype, e.shape)
         np.testing.assert_allclose(np.asarray(a), np.asarray(e), **tol)

@@ -12,13 +12,14 @@ import string
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import treeopt
+
+from _helpers import assert_trees_close
 
 RTOL, ATOL = 1e-6, 1e-7
 STEPS = 3
@@ -112,10 +113,7 @@ def run_treeopt(tx, params, steps=STEPS, **extra):
 
 
 def assert_same(actual, expected):
-    assert jax.tree.structure(actual) == jax.tree.structure(expected)
-    for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
-        assert a.dtype == e.dtype and a.shape == e.shape
-        np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=RTOL, atol=ATOL)
+    assert_trees_close(actual, expected, same_dtypes=True, rtol=RTOL, atol=ATOL)
 
 
 # Lower-case keys and lists shorter than 10: the flat names then sort in the same
