@@ -227,7 +227,7 @@ def _counting_sgd():
 
 def test_a_new_learning_rate_every_eager_step_does_not_retrace():
     counting_sgd, traces = _counting_sgd()
-    opt = counting_sgd(learning_rate=1.0, momentum=0.9).create(params())
+    opt = counting_sgd(learning_rate=1.0, momentum=0.9, honor_learning_rate=True).create(params())
     rates = [0.1, np.float32(0.05), jnp.float32(0.02), jnp.asarray(0.01), 0.005, 3]
     for i, lr in enumerate(rates):
         opt = opt.apply_gradient(grads_at(opt.target, i), learning_rate=lr)

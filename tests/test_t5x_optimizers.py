@@ -170,7 +170,8 @@ def test_dpsgd_takes_per_example_gradients_like_raw_optax():
 def test_learning_rate_override_sets_the_step_size(name):
     params = make_params()
     factory = getattr(optax, name)
-    opt = t5x_steps(getattr(optimizers, name)(learning_rate=1.0).create(params), learning_rate=0.01)
+    opt_def = getattr(optimizers, name)(learning_rate=1.0, honor_learning_rate=True)
+    opt = t5x_steps(opt_def.create(params), learning_rate=0.01)
     expected, expected_state = raw_optax(factory(0.01), params)
     assert_close(opt.target, expected)
     assert_close(opt.state.param_states, expected_state)
@@ -185,7 +186,7 @@ def test_learning_rate_override_inside_a_jitted_step_traces_once():
         traces.append(None)
         return opt.apply_gradient(grads_at(opt.target, i), learning_rate=lr)
 
-    opt = optimizers.adamw(learning_rate=1.0, weight_decay=0.1).create(params)
+    opt = optimizers.adamw(learning_rate=1.0, weight_decay=0.1, honor_learning_rate=True).create(params)
     for i, lr in enumerate([0.01, 0.02, 0.005]):
         opt = train_step(opt, jnp.float32(lr), i)
     assert len(traces) == 1
@@ -202,7 +203,7 @@ def test_learning_rate_override_inside_a_jitted_step_traces_once():
 def test_a_scheduled_learning_rate_is_overridden_and_keeps_its_state():
     params = make_params()
     schedule = optax.linear_schedule(1.0, 0.0, 10)
-    opt_def = optimizers.adam(learning_rate=schedule)
+    opt_def = optimizers.adam(learning_rate=schedule, honor_learning_rate=True)
     opt = t5x_steps(opt_def.create(params), learning_rate=0.01)
     expected, _ = raw_optax(optax.adam(0.01), params)
     _, scheduled_state = raw_optax(optax.adam(schedule), params)
@@ -225,20 +226,69 @@ def test_only_the_learning_rate_is_overridden_as_in_t5x():
 def test_direct_wrapper_of_an_injected_transformation_honours_the_override():
     params = make_params()
     tx = optax.inject_hyperparams(optax.sgd)(learning_rate=1.0)
-    opt = t5x_steps(optimizers.OptaxWrapper(tx).create(params), learning_rate=0.1)
+    opt = t5x_steps(optimizers.OptaxWrapper(tx, honor_learning_rate=True).create(params), learning_rate=0.1)
     assert_close(opt.target, raw_optax(optax.sgd(0.1), params)[0])
 
 
 def test_direct_wrapper_of_a_plain_transformation_warns_that_the_override_is_ignored():
     params = make_params()
-    opt = optimizers.OptaxWrapper(optax.sgd(0.1)).create(params)
-    with pytest.warns(UserWarning, match="learning_rate passed to apply_gradient is ignored"):
+    opt = optimizers.OptaxWrapper(optax.sgd(0.1), honor_learning_rate=True).create(params)
+    with pytest.warns(UserWarning, match="no learning rate to set"):
         opt = opt.apply_gradient(grads_at(params, 0), learning_rate=5.0)
     assert_close(opt.target, raw_optax(optax.sgd(0.1), params, steps=1)[0])
 
 
+# -- T5X's numbers by default: the trainer's learning rate is ignored -----------------------
+
+
+WRAPPED = ["adam", "adamw", "sgd", "lion", "sm3"]
+
+
+@pytest.mark.parametrize("name", WRAPPED)
+def test_by_default_the_trainers_learning_rate_is_ignored_as_in_t5x(name):
+    params = make_params()
+    opt = getattr(optimizers, name)(learning_rate=1e-2).create(params)
+    with pytest.warns(UserWarning, match="honor_learning_rate=True") as caught:
+        opt = t5x_steps(opt, learning_rate=0.5)
+    assert len([w for w in caught if "ignored" in str(w.message)]) == 1  # once per optimizer
+    expected, expected_state = raw_optax(getattr(optax, name)(1e-2), params)
+    assert_close(opt.target, expected)
+    assert_close(opt.state.param_states, expected_state)
+
+
+def test_the_minimal_case_gives_t5x_s_number():
+    opt = optimizers.adamw(learning_rate=1e-2, weight_decay=0.0).create({"w": jnp.ones(3)})
+    with pytest.warns(UserWarning, match="ignored") as caught:
+        opt = opt.apply_gradient({"w": jnp.ones(3)}, learning_rate=0.0)
+    assert len(caught) == 1
+    np.testing.assert_allclose(opt.target["w"], 0.99, rtol=1e-6)
+
+
+def test_an_injected_transformation_wrapped_directly_ignores_it_too():
+    params = make_params()
+    tx = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1)
+    with pytest.warns(UserWarning, match="honor_learning_rate"):
+        opt = t5x_steps(optimizers.OptaxWrapper(tx).create(params), learning_rate=5.0)
+    assert_close(opt.target, raw_optax(optax.sgd(0.1), params)[0])
+
+
+def test_ignored_learning_rates_are_still_checked():
+    opt = optimizers.adam(learning_rate=0.1).create(make_params())
+    with pytest.raises(TypeError, match="hyperparameter 'learning_rate'"):
+        opt.apply_gradient(grads_at(make_params(), 0), learning_rate="0.1")
+
+
+def test_the_legacy_adafactor_keeps_honouring_it():
+    from treeopt.t5x import adafactor
+
+    params = {"w": jnp.ones((3, 2))}
+    opt = adafactor.Adafactor(learning_rate=1.0, min_dim_size_to_factor=0).create(params)
+    opt = opt.apply_gradient({"w": jnp.ones((3, 2))}, learning_rate=0.1)
+    np.testing.assert_allclose(opt.target["w"], 0.9, rtol=1e-6)
+
+
 def test_update_hyper_params_replaces_or_overrides():
-    opt_def = optimizers.adam(learning_rate=0.1)
+    opt_def = optimizers.adam(learning_rate=0.1, honor_learning_rate=True)
     assert opt_def.hyper_params == optimizers._OptaxWrapperHyperParams(learning_rate=None)
     assert opt_def.update_hyper_params().learning_rate is None
     assert opt_def.update_hyper_params(learning_rate=0.2).learning_rate == 0.2
@@ -471,7 +521,9 @@ def test_multi_optimizer_of_optax_wrappers_matches_raw_optax_per_subset():
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 def test_multi_optimizer_overrides_per_sub_optimizer_and_skips_unselected_params():
     params = make_params()
-    opt_def = optimizers.MultiOptimizer([(kernels_and_biases()[0], optimizers.sgd(learning_rate=1.0))])
+    opt_def = optimizers.MultiOptimizer(
+        [(kernels_and_biases()[0], optimizers.sgd(learning_rate=1.0, honor_learning_rate=True))]
+    )
     opt = opt_def.create(params)
     hparams = opt.optimizer_def.hyper_params
     opt = t5x_steps(opt, hyper_params=[hparams[0].replace(learning_rate=0.1)])

@@ -81,7 +81,7 @@ AXES = {
 
 def test_adamw_state_is_sharded_like_its_params_and_matches_unsharded():
     the_mesh = mesh()
-    opt, _, plain = run(optimizers.adamw(learning_rate=1.0), PARAMS, AXES, the_mesh)
+    opt, _, plain = run(optimizers.adamw(learning_rate=1.0, honor_learning_rate=True), PARAMS, AXES, the_mesh)
     adam_state = opt.state.param_states[0]
     assert adam_state.mu["mlp"]["wi"].sharding.spec == P("data", "model")
     assert adam_state.nu["embed"]["embedding"].sharding.spec == P(None, "data")
@@ -92,7 +92,9 @@ def test_adamw_state_is_sharded_like_its_params_and_matches_unsharded():
 
 def test_factored_optax_statistics_are_sharded_not_replicated():
     the_mesh = mesh()
-    opt_def = optimizers.wrap_optax_optimizer(optax.adafactor)(learning_rate=1.0, min_dim_size_to_factor=4)
+    opt_def = optimizers.wrap_optax_optimizer(optax.adafactor)(
+        learning_rate=1.0, min_dim_size_to_factor=4, honor_learning_rate=True
+    )
     opt, _, plain = run(opt_def, PARAMS, AXES, the_mesh)
     factored = opt.state.param_states[0]
     # wi (8, 12) with (embed, mlp): v_row keeps embed, v_col keeps mlp.
@@ -111,11 +113,11 @@ def test_multi_optimizer_runs_sharded():
         [
             (
                 traverse_util.ModelParamTraversal(lambda path, _: "mlp" in path),
-                optimizers.adam(learning_rate=1.0),
+                optimizers.adam(learning_rate=1.0, honor_learning_rate=True),
             ),
             (
                 traverse_util.ModelParamTraversal(lambda path, _: "embed" in path),
-                optimizers.sgd(learning_rate=1.0),
+                optimizers.sgd(learning_rate=1.0, honor_learning_rate=True),
             ),
         ]
     )
@@ -127,7 +129,9 @@ def test_multi_optimizer_runs_sharded():
 def test_a_state_type_t5x_has_no_rule_for_derives_and_runs_sharded():
     # A contrib optimizer T5X's rule table does not know: derives and runs sharded.
     the_mesh = mesh()
-    opt_def = optimizers.wrap_optax_optimizer(optax.contrib.ademamix)(learning_rate=1.0)
+    opt_def = optimizers.wrap_optax_optimizer(optax.contrib.ademamix)(
+        learning_rate=1.0, honor_learning_rate=True
+    )
     opt, _, plain = run(opt_def, PARAMS, AXES, the_mesh)
     leaves = jax.tree.leaves(opt.state.param_states[0])
     assert any(leaf.sharding.spec == P("data", "model") for leaf in leaves)

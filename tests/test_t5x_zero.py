@@ -269,18 +269,24 @@ def test_each_device_holds_a_data_sized_share_of_the_state(opt_def, data, model)
     ["adam", "adamw_masked", "legacy_adafactor", "multi"],
 )
 def test_twenty_steps_match_the_unsharded_run(name):
+    # The trainer's learning rate (train_step passes one) counts, so that the override is sharded too.
     if name == "adam":
-        opt_def = optimizers.adam(1e-2)
+        opt_def = optimizers.adam(1e-2, honor_learning_rate=True)
     elif name == "adamw_masked":
         decay = lambda params: jax.tree.map(lambda p: p.ndim > 1, params)  # noqa: E731
-        opt_def = optimizers.wrap_optax_optimizer(optax.adamw)(1e-2, weight_decay=0.1, mask=decay)
+        opt_def = optimizers.wrap_optax_optimizer(optax.adamw)(
+            1e-2, weight_decay=0.1, mask=decay, honor_learning_rate=True
+        )
     elif name == "legacy_adafactor":
         opt_def = adafactor.Adafactor(learning_rate=0.1, beta1=0.9, min_dim_size_to_factor=8)
     else:
         embeddings = traverse_util.ModelParamTraversal(lambda path, _: "embedding" in path)
         rest = traverse_util.ModelParamTraversal(lambda path, _: "embedding" not in path)
         opt_def = optimizers.MultiOptimizer(
-            [(embeddings, optimizers.sgd(0.1, momentum=0.9)), (rest, optimizers.adam(1e-2))]
+            [
+                (embeddings, optimizers.sgd(0.1, momentum=0.9, honor_learning_rate=True)),
+                (rest, optimizers.adam(1e-2, honor_learning_rate=True)),
+            ]
         )
     mesh = make_mesh(4, 2)
     zero = sharded_run(opt_def, mesh, zero_axes(opt_def, mesh), steps=20)

@@ -9,9 +9,9 @@ Example:
     >>> import jax.numpy as jnp
     >>> from treeopt.t5x import optimizers
     >>> opt = optimizers.sgd(learning_rate=0.1).create({"w": jnp.zeros(3)})
-    >>> opt = opt.apply_gradient({"w": jnp.ones(3)}, learning_rate=0.2)
+    >>> opt = opt.apply_gradient({"w": jnp.ones(3)})
     >>> opt.target["w"]
-    Array([-0.2, -0.2, -0.2], dtype=float32)
+    Array([-0.1, -0.1, -0.1], dtype=float32)
 """
 
 from treeopt.t5x import adafactor, optimizers

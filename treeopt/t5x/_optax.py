@@ -2,7 +2,7 @@
 
 The optax transformation runs on the target itself (``param_states`` is
 ``tx.init(target)``, exactly T5X's state, and masks or labels written against
-the target's tree see it), one step through :func:`treeopt.optimizer.flat_step`:
+the target's tree see it), one step through :func:`treeopt.step.flat_step`:
 traced inline under ``jax.jit``, one compiled program (cached per
 transformation and shapes) when called eagerly.
 """
@@ -21,8 +21,9 @@ import numpy as np
 import optax
 from flax import struct
 
-from treeopt.hyperparams import checked_value, get_hyperparams, set_hyperparams
-from treeopt.optimizer import flat_step
+from treeopt.hyperparams import get_hyperparams, set_hyperparams
+from treeopt.internal import checked_value
+from treeopt.step import flat_step
 from treeopt.t5x import _partition_rules, _state
 from treeopt.t5x._base import Optimizer, OptimizerDef, OptimizerState
 from treeopt.t5x._zero import with_zero_sharding
@@ -33,7 +34,8 @@ class _OptaxWrapperHyperParams:
     """The hyper params of an :class:`OptaxWrapper`: ``learning_rate`` (``None``: as built).
 
     T5X's trainer passes ``learning_rate=`` to every ``apply_gradient``; T5X
-    drops it, ``treeopt.t5x`` sets the step size with it.
+    drops it, and so does ``treeopt.t5x`` unless the optimizer was built with
+    ``honor_learning_rate=True``.
 
     Example:
         >>> _OptaxWrapperHyperParams().replace(learning_rate=0.1)
@@ -94,11 +96,21 @@ class OptaxWrapper(OptimizerDef):
     state dict leaves out the empty dicts of ``optax.EmptyState`` /
     ``optax.MaskedNode`` and ``restore_state`` puts them back.
 
-    ``apply_gradient(grads, learning_rate=lr)`` sets the step size (T5X ignores
-    it): for the wrappers from :func:`wrap_optax_optimizer` (all the aliases) by
-    re-running the constructor with ``lr``; for a transformation wrapped
-    directly, when it was built with ``optax.inject_hyperparams``; otherwise
-    the value is ignored with a warning. ``lr=None`` means "as built".
+    ``apply_gradient(grads, learning_rate=lr)`` is ignored by default, as T5X
+    ignores it (its trainer passes its schedule's value to every step, while
+    the optax optimizer follows the learning rate or schedule it was built
+    with): one warning per optimizer says so. With ``honor_learning_rate=True``
+    ``lr`` sets the step size instead: for the wrappers from
+    :func:`wrap_optax_optimizer` (all the aliases) by re-running the
+    constructor with ``lr``; for a transformation wrapped directly, when it was
+    built with ``optax.inject_hyperparams``; otherwise the value is ignored
+    with a warning. ``lr=None`` means "as built".
+
+    Args:
+        optax_optimizer: the optax transformation, as in T5X.
+        honor_learning_rate: use the ``learning_rate`` passed to
+            ``apply_gradient`` (T5X's trainer passes its schedule's value)
+            instead of ignoring it as T5X does.
 
     Example:
         >>> import jax.numpy as jnp, optax
@@ -110,7 +122,12 @@ class OptaxWrapper(OptimizerDef):
         TraceState(trace={'w': Array([1., 1.], dtype=float32)})
     """
 
-    def __init__(self, optax_optimizer: optax.GradientTransformation):
+    def __init__(
+        self,
+        optax_optimizer: optax.GradientTransformation,
+        *,
+        honor_learning_rate: bool = False,
+    ):
         if not (
             callable(getattr(optax_optimizer, "init", None))
             and callable(getattr(optax_optimizer, "update", None))
@@ -120,21 +137,20 @@ class OptaxWrapper(OptimizerDef):
                 f"{type(optax_optimizer).__name__}; to wrap a constructor use wrap_optax_optimizer."
             )
         self.optax_optimizer = optax_optimizer
-        self._factory: Callable[..., optax.GradientTransformation] | None = None
-        self._bound: inspect.BoundArguments | None = None
+        self.constructor: (
+            tuple[Callable[..., optax.GradientTransformation], inspect.BoundArguments] | None
+        ) = None
+        """The optax constructor that built ``optax_optimizer`` and its bound arguments, with a
+        ``learning_rate`` (set by :func:`wrap_optax_optimizer`): a learning rate is set by building
+        it again with another value. ``None`` for a transformation wrapped directly."""
+        self.honor_learning_rate = bool(honor_learning_rate)
         self._with_learning_rate: optax.GradientTransformation | None = None
         self._warned = False
         super().__init__(hyper_params=_OptaxWrapperHyperParams())
 
-    def _remember(self, factory: Callable[..., Any], bound: inspect.BoundArguments) -> OptaxWrapper:
-        if "learning_rate" in bound.signature.parameters:
-            if "learning_rate" not in bound.arguments:
-                bound.arguments["learning_rate"] = bound.signature.parameters["learning_rate"].default
-            self._factory, self._bound = factory, bound
-        return self
-
     def __repr__(self) -> str:
-        name = getattr(self._factory, "__name__", None) or type(self.optax_optimizer).__name__
+        factory = self.constructor[0] if self.constructor is not None else None
+        name = getattr(factory, "__name__", None) or type(self.optax_optimizer).__name__
         return f"OptaxWrapper({name})"
 
     # -- hyper params --------------------------------------------------------------------
@@ -185,12 +201,20 @@ class OptaxWrapper(OptimizerDef):
     # -- update ---------------------------------------------------------------------------
 
     def apply_gradient(self, hyper_params: Any, params: Any, state: OptimizerState, grads: Any) -> Any:
-        """One optax step: returns ``(new_params, new_state)``; a ``learning_rate`` set is honoured."""
+        """One optax step: returns ``(new_params, new_state)``; see the class doc for ``learning_rate``."""
         learning_rate = getattr(hyper_params, "learning_rate", None)
         tx, opt_state, wrapped = self.optax_optimizer, state.param_states, False
         if learning_rate is not None:
-            learning_rate = _learning_rate(learning_rate)
-            if self._factory is not None:
+            learning_rate = _learning_rate(learning_rate)  # a bad value is an error, honoured or not
+        if learning_rate is not None and not self.honor_learning_rate:
+            self._warn_ignored(
+                "as T5X ignores it: the optax optimizer follows the learning rate or schedule it was "
+                "built with. To use it instead, build the optimizer with honor_learning_rate=True "
+                "(e.g. treeopt.t5x.optimizers.adamw(..., honor_learning_rate=True), or "
+                "OptaxWrapper(tx, honor_learning_rate=True))."
+            )
+        elif learning_rate is not None:
+            if self.constructor is not None:
                 tx, opt_state, wrapped = (
                     self._learning_rate_transformation(),
                     (learning_rate, opt_state),
@@ -199,7 +223,12 @@ class OptaxWrapper(OptimizerDef):
             elif "learning_rate" in get_hyperparams(opt_state):
                 opt_state = set_hyperparams(opt_state, {"learning_rate": learning_rate})
             else:
-                self._warn_ignored()
+                self._warn_ignored(
+                    "the wrapped optax transformation has no learning rate to set. Build it with a "
+                    "wrapped constructor such as treeopt.t5x.optimizers.adamw(...) (or "
+                    "wrap_optax_optimizer(optax.adamw)(...)), or with optax.inject_hyperparams, to "
+                    "make it count."
+                )
         out = flat_step(tx, state.step, opt_state, grads, params)
         new_state = out.opt_state[1] if wrapped else out.opt_state
         return out.output, OptimizerState(step=out.step, param_states=new_state)
@@ -207,19 +236,16 @@ class OptaxWrapper(OptimizerDef):
     def _learning_rate_transformation(self) -> optax.GradientTransformation:
         # One object per wrapper: flat_step compiles once per transformation object.
         if self._with_learning_rate is None:
-            assert self._factory is not None and self._bound is not None
-            self._with_learning_rate = _learning_rate_step(self._factory, self._bound)
+            assert self.constructor is not None
+            self._with_learning_rate = _learning_rate_step(*self.constructor)
         return self._with_learning_rate
 
-    def _warn_ignored(self) -> None:
+    def _warn_ignored(self, why: str) -> None:
         if self._warned:
             return
         self._warned = True
         warnings.warn(
-            "learning_rate passed to apply_gradient is ignored: the wrapped optax transformation has "
-            "no learning rate to set. Build it with a wrapped constructor such as "
-            "treeopt.t5x.optimizers.adamw(...) (or wrap_optax_optimizer(optax.adamw)(...)), or with "
-            "optax.inject_hyperparams, to make it count.",
+            f"The learning_rate passed to apply_gradient of {self!r} is ignored, {why}",
             UserWarning,
             stacklevel=4,
         )
@@ -274,13 +300,14 @@ def wrap_optax_optimizer(
 ) -> Callable[..., OptaxWrapper]:
     """An optax constructor turned into one that returns an :class:`OptaxWrapper`.
 
-    Same signature. The wrapper remembers the constructor and its arguments,
-    so ``apply_gradient(grads, learning_rate=...)`` can set the step size.
+    Same signature, plus the keyword ``honor_learning_rate`` (default False):
+    whether ``apply_gradient(grads, learning_rate=...)`` sets the step size
+    (by re-running the constructor with it) or is ignored, as in T5X.
 
     Example:
         >>> import jax.numpy as jnp, optax
         >>> sgd = wrap_optax_optimizer(optax.sgd)
-        >>> opt = sgd(learning_rate=1.0).create({"w": jnp.zeros(2)})
+        >>> opt = sgd(learning_rate=1.0, honor_learning_rate=True).create({"w": jnp.zeros(2)})
         >>> opt.apply_gradient({"w": jnp.ones(2)}, learning_rate=0.5).target["w"]
         Array([-0.5, -0.5], dtype=float32)
     """
@@ -290,12 +317,23 @@ def wrap_optax_optimizer(
         signature = None
 
     @functools.wraps(optax_optimizer)
-    def wrapped_optimizer(*args: Any, **kwargs: Any) -> OptaxWrapper:
-        wrapper = OptaxWrapper(optax_optimizer(*args, **kwargs))
-        if signature is not None:
-            wrapper._remember(optax_optimizer, signature.bind(*args, **kwargs))
+    def wrapped_optimizer(*args: Any, honor_learning_rate: bool = False, **kwargs: Any) -> OptaxWrapper:
+        wrapper = OptaxWrapper(optax_optimizer(*args, **kwargs), honor_learning_rate=honor_learning_rate)
+        if signature is not None and "learning_rate" in signature.parameters:
+            bound = signature.bind(*args, **kwargs)
+            bound.arguments.setdefault("learning_rate", signature.parameters["learning_rate"].default)
+            wrapper.constructor = (optax_optimizer, bound)
         return wrapper
 
+    if signature is not None:  # what gin and inspect see: optax's arguments and the opt-in
+        opt_in = inspect.Parameter("honor_learning_rate", inspect.Parameter.KEYWORD_ONLY, default=False)
+        parameters = list(signature.parameters.values())
+        at = next(
+            (i for i, p in enumerate(parameters) if p.kind is inspect.Parameter.VAR_KEYWORD), len(parameters)
+        )
+        wrapped_optimizer.__signature__ = signature.replace(  # type: ignore[attr-defined]
+            parameters=[*parameters[:at], opt_in, *parameters[at:]], return_annotation=OptaxWrapper
+        )
     return wrapped_optimizer
 
 

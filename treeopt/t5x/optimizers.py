@@ -6,15 +6,16 @@ Every name of T5X's module, with its signature and meaning:
 ``_OptaxWrapperHyperParams``, ``wrap_optax_optimizer`` and the wrapped optax
 aliases (``chain(transformations)`` takes one sequence), ``OptaxStatePartitionRules``
 and ``MultiOptimizer(traversals_and_optimizers)``. Checkpoints are T5X's.
-What differs is listed in ``docs/t5x.md``: ``learning_rate=`` is honoured for
-optax optimizers, ``MultiOptimizer`` runs optax sub-optimizers and has a state
-dict, and logical axes derive for every optax state.
+What differs is listed in ``docs/t5x.md``: ``MultiOptimizer`` runs optax
+sub-optimizers and has a state dict, logical axes derive for every optax
+state, and ``honor_learning_rate=True`` (opt-in) makes optax optimizers use the
+``learning_rate=`` passed to ``apply_gradient``, which T5X ignores.
 
 Example:
     >>> import jax.numpy as jnp
     >>> from treeopt.t5x import optimizers
     >>> opt = optimizers.adamw(learning_rate=0.1).create({"dense": {"kernel": jnp.ones((2, 2))}})
-    >>> opt = opt.apply_gradient({"dense": {"kernel": jnp.ones((2, 2))}}, learning_rate=0.01)
+    >>> opt = opt.apply_gradient({"dense": {"kernel": jnp.ones((2, 2))}})
     >>> int(opt.state.step), sorted(opt.state_dict()["state"]["param_states"]["0"])
     (1, ['count', 'mu', 'nu'])
 """
