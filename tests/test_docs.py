@@ -49,6 +49,7 @@ RUNNABLE_PAGES = [
     "optimizer.md",
     "serialization.md",
     "resume.md",
+    "mixed-precision.md",
     "t5x.md",
     "migration/from-flax-optim.md",
     "migration/from-treex.md",

@@ -246,6 +246,8 @@ def _exact_value(slot: Slot, value: Any, copy: bool) -> Any:
         value = wrap_key_like(slot.leaf, value)
     elif isinstance(value, _SCALARS) and not isinstance(value, np.generic):
         value = np.asarray(value, dtype=slot.dtype)
+    elif _widens(slot, value):
+        value, alias = value.astype(slot.dtype), False  # a new buffer already
     if isinstance(value, jax.core.Tracer):
         return value
     if sharding is not None:
@@ -258,6 +260,26 @@ def _exact_value(slot: Slot, value: Any, copy: bool) -> Any:
 def _exact_misfit(slot: Slot, value: Any) -> tuple[str, str] | None:
     got = _exact_got(slot, value)
     return None if got is None else (slot.expected, got)
+
+
+def _widens(slot: Slot, value: Any) -> bool:
+    """Whether ``value`` is a narrower floating array that ``slot``'s dtype holds exactly."""
+    dtype = getattr(value, "dtype", None)
+    if (
+        dtype is None
+        or is_key(value)
+        or slot.dtype is None
+        or tuple(getattr(value, "shape", ())) != slot.shape
+    ):
+        return False
+    both_float = jnp.issubdtype(dtype, jnp.floating) and jnp.issubdtype(slot.dtype, jnp.floating)
+    return bool(both_float) and jnp.promote_types(dtype, slot.dtype) == jnp.dtype(slot.dtype) != jnp.dtype(
+        dtype
+    )
+
+
+def _exact_or_wider_misfit(slot: Slot, value: Any) -> tuple[str, str] | None:
+    return None if _widens(slot, value) else _exact_misfit(slot, value)
 
 
 def _kind(dtype: Any) -> str | None:
@@ -319,16 +341,21 @@ class Policy:
         misfit: ``(slot, value) -> None`` when ``value`` fits, else ``(expected, got)`` for the report.
         convert: ``(slot, value, copy) -> leaf``; ``copy``: the source's arrays stay the caller's.
         legacy_digest: also verify the SHA-256 digest of earlier treeopt.t5x bytes.
+        casts: fitting values of another dtype are cast to the slot's (the report lists them).
     """
 
     misfit: Callable[[Slot, Any], tuple[str, str] | None]
     convert: Callable[[Slot, Any, bool], Any]
     legacy_digest: bool = False
+    casts: bool = False
 
 
 EXACT = Policy(_exact_misfit, _exact_value)
 """The core's policy: the same shape and dtype (or a Python number that fits exactly), copied
 onto the target's sharding."""
+
+EXACT_OR_WIDER = Policy(_exact_or_wider_misfit, _exact_value, casts=True)
+"""A warm start's policy: as :data:`EXACT`, and a narrower floating value is cast up (losslessly)."""
 
 BY_KIND = Policy(_kind_misfit, _value_as_given, legacy_digest=True)
 """T5X's policy: the same shape and kind of value (integer, float, ...), kept as given."""
@@ -412,8 +439,21 @@ def match(
         mismatched=tuple(sorted(mismatched.values())),
         renamed={path_str(t): path_str(s) for t, s in sorted(renamed.items())},
         misnested=tuple(sorted(misnested)),
+        cast=_casts(target, entries, pairs) if policy.casts else (),
     )
     return pairs, report
+
+
+def _casts(
+    target: Target, entries: Mapping[Path, Any], pairs: Mapping[Path, Path]
+) -> tuple[tuple[str, str, str], ...]:
+    """``(path, from, to)`` of the matched values whose dtype differs from their slot's."""
+    out = []
+    for path, source in pairs.items():
+        slot, value = target.slots[path], entries[source]
+        if _widens(slot, value):
+            out.append((path_str(path), dtype_name(value.dtype), dtype_name(slot.dtype)))
+    return tuple(sorted(out))
 
 
 def _match_roles(

@@ -1,7 +1,8 @@
 """State dicts of an Optimizer: nested plain dicts of arrays, keyed by parameter name.
 
 ``state_dict(opt)`` is ``{"step": ..., "opt_state": ...}``: ``opt_state`` in
-the plain form of :mod:`treeopt._plain`. The params-shaped parts of an optax
+the plain form of :mod:`treeopt._plain`; with master weights also
+``"master": {name: array}``. The params-shaped parts of an optax
 state are already dicts keyed by parameter name (the optimizer runs optax on
 its flat, named params), so a leaf reads ``opt_state/0/mu/dense/kernel``
 whatever the order of the leaves, and a new, unrelated layer only adds names.
@@ -12,7 +13,9 @@ is listed in one error (``strict=True``), or loaded where it matches and
 reported otherwise (``strict=False``). Python scalars load only where nothing
 is lost; loaded arrays are copies, so the loaded optimizer can be donated to a
 jitted step without deleting the caller's arrays. A warm start matches by
-state field and parameter name too, and never raises for a mismatch.
+state field and parameter name too, casts a narrower floating value up where
+that loses nothing (a bfloat16 run's moments into float32 state), and never
+raises for a mismatch.
 
 This module only sees the Optimizer through its pytree and public
 attributes, so ``optimizer.py`` can import it.
@@ -23,14 +26,24 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from treeopt._engine import EXACT, Messages, Roles, StateDictSource, Target, load, match, read_verified
+from treeopt._engine import (
+    EXACT,
+    EXACT_OR_WIDER,
+    Messages,
+    Roles,
+    StateDictSource,
+    Target,
+    load,
+    match,
+    read_verified,
+)
 from treeopt._plain import Path, path_str, to_plain
 from treeopt.errors import LoadReport
 from treeopt.keys import key_data
 
 _LOAD = Messages(
     lead="The state dict does not match this optimizer (paths are "
-    "step | opt_state/<optax state fields>/<parameter name>)",
+    "step | opt_state/<optax state fields>/<parameter name> | master/<parameter name>)",
     hint="Use load_state_dict(sd, strict=False) to load the matching paths, or "
     "treeopt.serialization.warm_start to start from another optimizer's state.",
     warning="load_state_dict(strict=False): the following paths kept the optimizer's "
@@ -40,7 +53,10 @@ _LOAD = Messages(
 
 def plain_state(opt: Any) -> dict[str, Any]:
     """The state dict of ``opt`` built from its leaves as they are (also for a tree of indices)."""
-    return {"step": key_data(opt.step), "opt_state": to_plain(opt.opt_state)}
+    plain = {"step": key_data(opt.step), "opt_state": to_plain(opt.opt_state)}
+    if opt.master:
+        plain["master"] = dict(opt.master)
+    return plain
 
 
 def _initialized(opt: Any) -> Any:
@@ -99,4 +115,5 @@ def warm_start(
         return (include is None or include(name)) and not (exclude is not None and exclude(name))
 
     roles = Roles(frozenset(opt.paths), wanted)
-    return load(target(opt), StateDictSource(source, "warm_start"), EXACT, _LOAD, strict=None, roles=roles)
+    source_ = StateDictSource(source, "warm_start")
+    return load(target(opt), source_, EXACT_OR_WIDER, _LOAD, strict=None, roles=roles)

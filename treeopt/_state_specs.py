@@ -19,46 +19,66 @@ from treeopt._zero import zero_plan
 from treeopt.layout import ParamLayout
 
 
+def state_parts(opt: Any) -> dict[str, Any]:
+    """The parts of an initialized optimizer's state whose leaves belong to parameters, by name."""
+    return {"opt_state": opt.opt_state, "master": opt.master}
+
+
 def state_specs(
-    opt_state: Any,
+    parts: Mapping[str, Any],
     layout: ParamLayout,
     param_specs: Mapping[str, PartitionSpec],
     *,
     shard_state_over: str | Sequence[str] | None = None,
     mesh: Any = None,
-) -> Any:
-    """A tree shaped like ``opt_state`` with a ``PartitionSpec`` at every leaf.
+) -> dict[str, Any]:
+    """``{part: tree shaped like it with a PartitionSpec at every leaf}`` for the parts of a state.
 
-    ``opt_state`` is the optax state over the flat ``{name: param}`` dict
-    (concrete, or abstract from ``jax.eval_shape``); ``param_specs`` is
-    ``{name: spec}`` for every trainable param. With ``shard_state_over``
-    (mesh axis names, and the ``mesh`` whose sizes they have) the param-owned
-    leaves are also split over those axes (ZeRO-1, see :func:`zero_plan`).
+    ``parts`` are the optax state over the flat ``{name: param}`` dict and the
+    master copies (``{"opt_state": ..., "master": ...}``), concrete or abstract
+    (``jax.eval_shape``); ``param_specs`` is ``{name: spec}`` for every
+    trainable param. With ``shard_state_over`` (mesh axis names, and the
+    ``mesh`` whose sizes they have) the param-owned leaves are also split over
+    those axes (ZeRO-1, see :func:`treeopt._zero.zero_plan`).
     """
     if shard_state_over is None:
-        treedef, leaves = state_leaf_specs(opt_state, layout, param_specs)
-        return jax.tree_util.tree_unflatten(treedef, [leaf.spec for leaf in leaves])
-    treedef, plan = zero_plan(opt_state, layout, param_specs, shard_state_over, mesh)
-    return jax.tree_util.tree_unflatten(treedef, [leaf.zero_spec for leaf in plan.leaves])
+        out = {}
+        for part, tree in parts.items():
+            treedef, leaves = state_leaf_specs(tree, layout, param_specs)
+            out[part] = jax.tree_util.tree_unflatten(treedef, [leaf.spec for leaf in leaves])
+        return out
+    treedefs, plan = zero_plan(parts, layout, param_specs, shard_state_over, mesh)
+    specs = iter(leaf.zero_spec for leaf in plan.leaves)
+    return {
+        part: treedef.unflatten([next(specs) for _ in range(treedef.num_leaves)])
+        for part, treedef in treedefs.items()
+    }
 
 
 def optimizer_state_specs(
-    opt_state: Any,
+    parts: Mapping[str, Any],
     layout: ParamLayout,
     param_specs: Any,
     *,
     shard_state_over: str | Sequence[str] | None = None,
     mesh: Any = None,
-) -> Any:
-    """The specs of ``opt_state`` from a params-shaped tree of specs, checked; what ``partition_specs`` returns.
+) -> dict[str, Any]:
+    """The specs of a state's parts from a params-shaped tree of specs, checked; what ``partition_specs`` uses.
 
     ``param_specs`` is any params-shaped tree (or the flat dict) of
     ``PartitionSpec``/``None``, checked by :func:`flat_param_specs`; with a
     ``mesh`` each spec's axes are also checked against it (the error names the
-    parameter). ``shard_state_over``: see :func:`zero_plan`.
+    parameter). ``parts`` and ``shard_state_over``: see :func:`state_specs`.
     """
+    flat = checked_param_specs(param_specs, layout, mesh)
+    return state_specs(parts, layout, flat, shard_state_over=shard_state_over, mesh=mesh)
+
+
+def checked_param_specs(param_specs: Any, layout: ParamLayout, mesh: Any) -> dict[str, PartitionSpec]:
+    """``{name: spec}`` from a params-shaped tree of specs; with a ``mesh``, each spec's axes checked
+    against it (the error names the parameter)."""
     flat = flat_param_specs(param_specs, layout)
     if mesh is not None:
         for name, spec in flat.items():
             check_axes(spec, mesh, f"PartitionSpec of parameter '{name}'")
-    return state_specs(opt_state, layout, flat, shard_state_over=shard_state_over, mesh=mesh)
+    return flat

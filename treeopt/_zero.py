@@ -276,34 +276,37 @@ def zero_leaf_spec(
 
 
 def zero_plan(
-    opt_state: Any,
+    parts: Mapping[str, Any],
     layout: ParamLayout,
     param_specs: Mapping[str, PartitionSpec],
     shard_state_over: str | Sequence[str],
     mesh: Any,
-) -> tuple[Any, ZeroReport]:
-    """ZeRO-1: ``(treedef of opt_state, report)``, the report holding each leaf's spec with and without.
+) -> tuple[dict[str, Any], ZeroReport]:
+    """ZeRO-1: ``({part: treedef}, report)``, the report holding each leaf's spec with and without.
 
-    Every floating-point leaf that belongs to a parameter (its moments,
-    factored statistics, per-dimension accumulators, ...) gets the axes of
-    ``shard_state_over`` on one dimension by :func:`zero_leaf_spec`, on top of
-    the spec derived from its parameter's. The other leaves keep that spec:
-    counts, hyperparameters and RNG keys stay ``P()``.
+    ``parts`` are the parts of an optimizer's state by name (``{"opt_state":
+    ..., "master": ...}``). Every floating-point leaf that belongs to a
+    parameter (its moments, factored statistics, per-dimension accumulators,
+    master copy, ...) gets the axes of ``shard_state_over`` on one dimension by
+    :func:`zero_leaf_spec`, on top of the spec derived from its parameter's.
+    The other leaves keep that spec: counts, hyperparameters and RNG keys stay
+    ``P()``.
     """
     axes = zero_axes(shard_state_over, mesh)
     sizes = {name: int(size) for name, size in dict(mesh.shape).items()}
-    treedef, leaves = state_leaf_specs(opt_state, layout, param_specs)
-    out = []
-    for path, leaf, param, spec in leaves:
-        shape = tuple(getattr(leaf, "shape", ()))
-        dtype = getattr(leaf, "dtype", None)
-        reason: str | None
-        if param is None:
-            zero_spec, dim, reason = spec, None, NOT_PARAM_OWNED
-        elif dtype is None or not jax.numpy.issubdtype(dtype, jax.numpy.inexact):
-            zero_spec, dim, reason = spec, None, NOT_FLOATING
-        else:
-            zero_spec, dim, reason = zero_leaf_spec(shape, spec, axes, sizes)
-        where = "opt_state" + jax.tree_util.keystr(path)
-        out.append(ZeroLeaf(where, param, shape, dtype, spec, zero_spec, dim, reason))
-    return treedef, ZeroReport(axes, sizes, tuple(out))
+    treedefs, out = {}, []
+    for part, tree in parts.items():
+        treedefs[part], leaves = state_leaf_specs(tree, layout, param_specs)
+        for path, leaf, param, spec in leaves:
+            shape = tuple(getattr(leaf, "shape", ()))
+            dtype = getattr(leaf, "dtype", None)
+            reason: str | None
+            if param is None:
+                zero_spec, dim, reason = spec, None, NOT_PARAM_OWNED
+            elif dtype is None or not jax.numpy.issubdtype(dtype, jax.numpy.inexact):
+                zero_spec, dim, reason = spec, None, NOT_FLOATING
+            else:
+                zero_spec, dim, reason = zero_leaf_spec(shape, spec, axes, sizes)
+            where = part + jax.tree_util.keystr(path)
+            out.append(ZeroLeaf(where, param, shape, dtype, spec, zero_spec, dim, reason))
+    return treedefs, ZeroReport(axes, sizes, tuple(out))

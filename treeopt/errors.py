@@ -52,6 +52,9 @@ class LoadReport:
             (they keep the optimizer's current values).
         renamed: for ``warm_start`` only: ``{target path: source path}`` of the leaves
             matched by their state field and parameter name rather than by full path.
+        cast: for ``warm_start`` only: ``(path, from, to)`` of the values cast up to
+            the target's wider floating dtype, e.g. ``("opt_state/0/mu/w",
+            "bfloat16", "float32")``.
         misnested: ``(path, found, expected)`` for entries present under the same
             ``"/"``-joined path but nested differently, typically a parameter name
             such as ``"dense/kernel"`` split into nested dicts, e.g.
@@ -78,6 +81,7 @@ class LoadReport:
     mismatched: tuple[tuple[str, str, str], ...] = ()
     renamed: Mapping[str, str] = dataclasses.field(default_factory=dict)
     misnested: tuple[tuple[str, str, str], ...] = ()
+    cast: tuple[tuple[str, str, str], ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -106,6 +110,10 @@ class LoadReport:
         head = f"loaded {len(self.loaded)} leaves"
         if self.renamed:
             head += f" ({len(self.renamed)} matched by field and parameter name)"
+        if self.cast:
+            head += (
+                f" ({len(self.cast)} cast up: " + ", ".join(f"{p} {a}->{b}" for p, a, b in self.cast) + ")"
+            )
         return head if self.ok else f"{head}; not loaded:\n{self.problems()}"
 
 

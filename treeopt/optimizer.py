@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -13,17 +13,15 @@ from jax.tree_util import GetAttrKey
 from treeopt import _state_dict
 from treeopt import hyperparams as _hyperparams
 from treeopt._deprecated import moved_names
-from treeopt._extra_args import as_optax_extra_args
-from treeopt._paths import is_nnx_graph, is_nnx_object
-from treeopt._state_specs import optimizer_state_specs
+from treeopt._master import checked_master_dtype, masters_of
+from treeopt._state_specs import optimizer_state_specs, state_parts
 from treeopt._trace_guard import (
     CAPTURED,
     concrete_or_eager_autodiff,
     is_tracer,
-    refuse_capture,
-    refuse_foreign_trace,
     strong,
 )
+from treeopt._update_inputs import flat_inputs
 from treeopt.layout import ParamLayout, Wrt, is_lookahead
 from treeopt.step import flat_step, stable_dtypes
 from treeopt.typing import Params, ParamSpecs, StateDict, Updates
@@ -32,7 +30,8 @@ __all__ = ["Optimizer"]
 
 __getattr__ = moved_names(__name__, {"FlatStep": "treeopt.step"})
 
-_FIELDS = ("tx", "wrt", "_layout", "_lookahead", "step", "opt_state")
+_FIELDS = ("tx", "wrt", "master_dtype", "_layout", "_lookahead", "step", "opt_state", "master")
+_CHILDREN = ("step", "opt_state", "master")
 
 
 def _as_transformation(tx: Any) -> optax.GradientTransformation:
@@ -76,6 +75,12 @@ class Optimizer:
               ``(path, variable)`` function in ``nnx.Any(fn)`` to have it read
               as an nnx filter.
             - a list or tuple mixing these: a leaf any of them selects.
+        master_dtype: keep a copy in this floating dtype (``jnp.float32``) of
+            every trainable floating leaf narrower than it (bfloat16 params),
+            and step the copies: ``update`` casts the grads up, runs ``tx`` on
+            the copies and returns each param as its copy cast back to the
+            param's dtype. ``None`` (default): no copies. See
+            ``docs/mixed-precision.md``.
 
     Example:
         >>> import jax, jax.numpy as jnp, optax, treeopt
@@ -98,6 +103,15 @@ class Optimizer:
         ('bias', 'scale')
         >>> treeopt.Optimizer(optax.sgd(0.1), wrt=(nnx.Param, nnx.BatchStat)).init(model).paths
         ('bias', 'mean', 'scale', 'var')
+
+        bfloat16 params with float32 master copies: a step too small for
+        bfloat16 is kept in the copy, and the params follow once it adds up.
+
+        >>> params = {"w": jnp.ones(3, jnp.bfloat16)}
+        >>> opt = treeopt.Optimizer(optax.sgd(1e-4), master_dtype=jnp.float32).init(params)
+        >>> params = opt.update({"w": jnp.ones(3, jnp.bfloat16)}, params)
+        >>> params["w"], opt.master["w"]
+        (Array([1, 1, 1], dtype=bfloat16), Array([0.9999, 0.9999, 0.9999], dtype=float32))
     """
 
     __slots__ = _FIELDS
@@ -129,42 +143,55 @@ class Optimizer:
     for ``optax.adam``. Read it freely; to change it, use ``load_state_dict`` or
     build a new optimizer, so that the step and the names stay consistent.
     """
+    master_dtype: Any
+    """The dtype of the master copies, as given to the constructor (static); ``None``: none."""
+    master: dict[str, jax.Array] | None
+    """The master copies ``{name: array}`` of the params narrower than ``master_dtype`` (leaves).
 
-    def __init__(self, tx: optax.GradientTransformation, wrt: Wrt = None):
+    ``{}`` without ``master_dtype``, ``None`` before ``init``. They are the
+    values the optimizer steps; the params ``update`` returns are them cast down.
+
+    Example: with bfloat16 params and ``master_dtype=jnp.float32``,
+    ``opt.master["dense/kernel"].dtype`` is float32.
+    """
+
+    def __init__(self, tx: optax.GradientTransformation, wrt: Wrt = None, master_dtype: Any = None):
         set_ = object.__setattr__
         set_(self, "tx", _as_transformation(tx))
         set_(self, "wrt", tuple(wrt) if isinstance(wrt, list) else wrt)
+        set_(self, "master_dtype", checked_master_dtype(master_dtype))
         set_(self, "_layout", None)
         set_(self, "_lookahead", False)
         set_(self, "step", None)
         set_(self, "opt_state", None)
+        set_(self, "master", None)
 
     # -- pytree ----------------------------------------------------------------
 
     def _tree_flatten_with_keys(self) -> tuple[Any, Any]:
-        aux = (self.tx, self.wrt, self._layout, self._lookahead)
-        if self._layout is None:
-            return (), aux
-        return ((GetAttrKey("step"), self.step), (GetAttrKey("opt_state"), self.opt_state)), aux
+        children, aux = self._tree_flatten()
+        return tuple(zip((GetAttrKey(k) for k in _CHILDREN), children, strict=False)), aux
 
     def _tree_flatten(self) -> tuple[Any, Any]:
-        aux = (self.tx, self.wrt, self._layout, self._lookahead)
+        aux = (self.tx, self.wrt, self._layout, self._lookahead, self.master_dtype)
         if self._layout is None:
             return (), aux
-        return (self.step, self.opt_state), aux
+        return (self.step, self.opt_state, self.master), aux
 
     @classmethod
     def _tree_unflatten(cls, aux: Any, children: Any) -> Optimizer:
         self = object.__new__(cls)
         set_ = object.__setattr__
-        tx, wrt, layout, lookahead = aux
+        tx, wrt, layout, lookahead, master_dtype = aux
         set_(self, "tx", tx)
         set_(self, "wrt", wrt)
+        set_(self, "master_dtype", master_dtype)
         set_(self, "_layout", layout)
         set_(self, "_lookahead", lookahead)
-        step, opt_state = children if layout is not None else (None, None)
+        step, opt_state, master = children if layout is not None else (None, None, None)
         set_(self, "step", step)
         set_(self, "opt_state", opt_state)
+        set_(self, "master", master)
         return self
 
     # -- init --------------------------------------------------------------------
@@ -205,17 +232,23 @@ class Optimizer:
         """
         lookahead = is_lookahead(params)
         layout = ParamLayout.of(params.fast if lookahead else params, self.wrt)
+        master: dict[str, Any] = {}
         if lookahead:
+            if self.master_dtype is not None:
+                raise ValueError(
+                    "master_dtype is not supported with optax.LookaheadParams (optax.lookahead): "
+                    "build the optimizer without it."
+                )
             flat: Any = optax.LookaheadParams(
                 layout.split_params(params.fast)[0], layout.split_params(params.slow)[0]
             )
         else:
             flat = layout.split_params(params)[0]
+            master = masters_of(flat, self.master_dtype)
+            flat = {**flat, **master}  # tx.init sees the masters
         opt_state = stable_dtypes(self.tx, jax.tree.map(strong, self.tx.init(flat)), flat, lookahead)
-        new = Optimizer._tree_unflatten(
-            (self.tx, self.wrt, layout, lookahead), (jnp.zeros((), jnp.int32), opt_state)
-        )
-        return new
+        aux = (self.tx, self.wrt, layout, lookahead, self.master_dtype)
+        return Optimizer._tree_unflatten(aux, (jnp.zeros((), jnp.int32), opt_state, master))
 
     # -- update ------------------------------------------------------------------
 
@@ -241,7 +274,10 @@ class Optimizer:
                 An nnx Module is updated in place (its ``Variable``s get the new
                 values, as ``nnx.Optimizer.update`` does) and returned.
             apply_updates: return new params (default) or the updates themselves,
-                shaped like ``grads``.
+                shaped like ``grads``. With ``master_dtype``, the update of a leaf
+                that has a master is, in ``master_dtype``, the new param minus the
+                one given, so ``optax.apply_updates(params, updates)`` gives the
+                params the default returns.
             **extra_args: passed to ``tx.update`` (``value=loss`` for
                 ``optax.contrib.reduce_on_plateau``; ``value``, ``grad`` and
                 ``value_fn`` for ``optax.lbfgs``). A function (``value_fn``) is
@@ -271,7 +307,9 @@ class Optimizer:
             >>> model.bias[...]
             Array([-0.5], dtype=float32)
         """
-        inputs = self._flat_inputs(grads, params, apply_updates, extra_args)
+        inputs = flat_inputs(
+            self._require_layout(), self._lookahead, self.step, grads, params, apply_updates, extra_args
+        )
         result = flat_step(
             self.tx,
             self.step,
@@ -280,70 +318,23 @@ class Optimizer:
             inputs.params,
             apply_updates=apply_updates,
             extra_args=inputs.extra_args,
+            master=self.master,
+            param_dtypes=self._master_param_dtypes() if self.master and params is None else None,
         )
         if not is_tracer(self.step) and not concrete_or_eager_autodiff(result.step):
             raise RuntimeError(CAPTURED)  # a trace we could not see from the inputs
         object.__setattr__(self, "step", result.step)
         object.__setattr__(self, "opt_state", result.opt_state)
+        if result.master is not None:
+            object.__setattr__(self, "master", result.master)
         return inputs.rebuild(result.output)
 
-    def _flat_inputs(
-        self, grads: Any, params: Any, apply_updates: bool, extra_args: dict[str, Any]
-    ) -> _FlatInputs:
-        """The arguments of ``update``, checked and flattened by name, and how to rebuild its result."""
-        layout = self._require_layout()
-        if apply_updates and params is None:
-            raise ValueError(
-                "update(grads) with apply_updates=True needs the current params: "
-                "call opt.update(grads, params), or opt.update(grads, apply_updates=False) "
-                "to get the updates."
-            )
-        if params is not None and is_nnx_graph(grads) and not is_nnx_graph(params):
-            raise TypeError(_swapped_message(grads, params))
-        flat_grads, rebuild_grads = layout.split_grads(grads)
-        try:
-            flat_params, merge_params = self._split_params(params)
-        except ValueError:
-            if is_nnx_object(grads) and jax.tree.structure(grads) == layout.treedef:
-                raise TypeError(_swapped_message(grads, params)) from None
-            raise
-        if extra_args:
-            extra_args = as_optax_extra_args(extra_args, grads, params, layout, lookahead=self._lookahead)
-        if is_tracer(self.step):
-            refuse_foreign_trace(self.step)
-        else:
-            refuse_capture((flat_grads, flat_params, extra_args))
-
-        def rebuild(out: Any) -> Any:
-            if apply_updates:
-                return merge_params(out)
-            if self._lookahead:
-                return optax.LookaheadParams(rebuild_grads(out.fast), rebuild_grads(out.slow))
-            return rebuild_grads(out)
-
-        return _FlatInputs(flat_grads, flat_params, extra_args, rebuild)
-
-    def _split_params(self, params: Any) -> tuple[Any, Any]:
-        """``(flat params for tx.update, merge)``; ``merge(flat)`` rebuilds params of the given type."""
-        if params is None:
-            return None, None
-        layout = self._require_layout()
-        if not self._lookahead:
-            if is_nnx_graph(params):  # an nnx Module: updated in place, as nnx.Optimizer does
-                return layout.split_module(params)
-            return layout.split_params(params)
-        if not is_lookahead(params):
-            raise TypeError(
-                "This optimizer was initialized with optax.LookaheadParams; pass params "
-                f"of that type to update, got {type(params).__name__}."
-            )
-        fast, rebuild_fast = layout.split_params(params.fast)
-        slow, rebuild_slow = layout.split_params(params.slow)
-
-        def merge(flat: Any) -> Any:
-            return optax.LookaheadParams(rebuild_fast(flat.fast), rebuild_slow(flat.slow))
-
-        return optax.LookaheadParams(fast, slow), merge
+    def _master_param_dtypes(self) -> dict[str, Any]:
+        """``{name: dtype}`` of the params that have a master, as ``init`` saw them."""
+        layout, master = self._require_layout(), self.master or {}
+        return {
+            name: dtype for name, (_, dtype) in zip(layout.names, layout.avals, strict=True) if name in master
+        }
 
     # -- hyperparameters ----------------------------------------------------------
 
@@ -499,12 +490,11 @@ class Optimizer:
             (P('data', 'model'), P('data',), P())
         """
         layout = self._require_layout()
-        state = optimizer_state_specs(
-            self.opt_state, layout, param_specs, shard_state_over=shard_state_over, mesh=mesh
+        specs = optimizer_state_specs(
+            state_parts(self), layout, param_specs, shard_state_over=shard_state_over, mesh=mesh
         )
-        return Optimizer._tree_unflatten(
-            (self.tx, self.wrt, layout, self._lookahead), (jax.sharding.PartitionSpec(), state)
-        )
+        children = (jax.sharding.PartitionSpec(), specs["opt_state"], specs["master"])
+        return Optimizer._tree_unflatten(self._tree_flatten()[1], children)
 
     # -- misc ----------------------------------------------------------------------
 
@@ -529,33 +519,6 @@ class Optimizer:
         step = self.step
         step_text = "traced" if is_tracer(step) else str(jax.device_get(step))
         return f"Optimizer(tx={_tx_name(self.tx)}, step={step_text}, params={len(self._layout.names)})"
-
-
-class _FlatInputs(NamedTuple):
-    """What ``update`` hands the pure step, and how it turns the step's output into its result."""
-
-    grads: Any
-    params: Any
-    extra_args: dict[str, Any]
-    rebuild: Callable[[Any], Any]
-
-
-def _swapped_message(grads: Any, params: Any) -> str:
-    def what(x: Any) -> str:
-        if is_nnx_graph(x):
-            return f"the nnx Module {type(x).__name__}"
-        if is_nnx_object(x):
-            return f"an nnx {type(x).__name__}"
-        return f"a {type(x).__name__}"
-
-    return (
-        "Optimizer.update takes the gradients first and the params second:\n"
-        "    params = opt.update(grads, params)\n"
-        "or, for an nnx Module (updated in place, as nnx.Optimizer does):\n"
-        "    opt.update(grads, model)\n"
-        f"It received {what(grads)} where the gradients go and {what(params)} where the params go: "
-        "that is nnx.Optimizer's order, optimizer.update(model, grads). Swap the two arguments."
-    )
 
 
 def _tx_name(tx: optax.GradientTransformation) -> str:

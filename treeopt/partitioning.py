@@ -30,8 +30,8 @@ from flax.core import meta
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from treeopt._deprecated import moved_names
-from treeopt._specs import check_axes, flat_param_specs, is_spec
-from treeopt._state_specs import optimizer_state_specs
+from treeopt._specs import check_axes, is_spec
+from treeopt._state_specs import checked_param_specs, state_parts
 from treeopt._zero import ZeroLeaf, ZeroReport, zero_plan
 from treeopt.optimizer import Optimizer
 from treeopt.typing import Params, ParamSpecs
@@ -152,24 +152,13 @@ def param_specs_of(params: Params) -> ParamSpecs:
     return jax.tree.map(one, params, is_leaf=lambda x: isinstance(x, meta.AxisMetadata))
 
 
-def _mesh_param_specs(
-    opt: Optimizer, param_specs: ParamSpecs, mesh: Mesh | None, rules: LogicalRules | None
-) -> ParamSpecs:
+def _mesh_specs(param_specs: ParamSpecs, rules: LogicalRules | None) -> ParamSpecs:
+    """``param_specs`` in mesh axes: boxed params read, logical names translated by ``rules``."""
     if _has_boxes(param_specs):
         param_specs = param_specs_of(param_specs)
     if rules is not None:
         param_specs = logical_to_mesh_specs(param_specs, rules)
-    flat = flat_param_specs(param_specs, opt.layout)
-    if mesh is not None:
-        for name, spec in flat.items():
-            check_axes(spec, mesh, f"PartitionSpec of parameter '{name}'")
-    return flat
-
-
-def _optimizer_shaped(opt: Optimizer, state_specs: Any) -> Optimizer:
-    """``opt``'s own tree (same static data) with ``P()`` at ``step`` and ``state_specs`` below."""
-    leaves = [PartitionSpec(), *jax.tree.leaves(state_specs, is_leaf=is_spec)]
-    return jax.tree.unflatten(jax.tree.structure(opt), leaves)
+    return param_specs
 
 
 def optimizer_specs(
@@ -209,11 +198,7 @@ def optimizer_specs(
         >>> zero.opt_state[0].trace["wi"] == P("data", "model")
         True
     """
-    flat = _mesh_param_specs(opt, param_specs, mesh, rules)
-    state = optimizer_state_specs(
-        opt.opt_state, opt.layout, flat, shard_state_over=shard_state_over, mesh=mesh
-    )
-    return _optimizer_shaped(opt, state)
+    return opt.partition_specs(_mesh_specs(param_specs, rules), shard_state_over=shard_state_over, mesh=mesh)
 
 
 def optimizer_shardings(
@@ -300,8 +285,8 @@ def zero_report(
         >>> [(leaf.path, leaf.reason) for leaf in report.unsharded]
         [('opt_state[0].count', 'not param-owned')]
     """
-    flat = _mesh_param_specs(opt, param_specs, mesh, rules)
-    return zero_plan(opt.opt_state, opt.layout, flat, shard_state_over, mesh)[1]
+    flat = checked_param_specs(_mesh_specs(param_specs, rules), opt.layout, mesh)
+    return zero_plan(state_parts(opt), opt.layout, flat, shard_state_over, mesh)[1]
 
 
 def _has_boxes(tree: Any) -> bool:

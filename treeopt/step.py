@@ -116,7 +116,7 @@ def _join_extra(dynamic: Sequence[Any], static: Any) -> Any:
 
 
 class FlatStep(NamedTuple):
-    """The result of :func:`flat_step`: the new step count, the new optax state, and its output.
+    """The result of :func:`flat_step`: the new step count, the new optax state, its output and masters.
 
     Example:
         >>> import jax.numpy as jnp, optax
@@ -133,6 +133,8 @@ class FlatStep(NamedTuple):
     """The optax state after the update."""
     output: Any
     """The new flat params (``apply_updates=True``) or the flat updates."""
+    master: Any = None
+    """The new master copies ``{name: array}`` when the step was given masters, else ``None``."""
 
 
 def _flat_step_traced(
@@ -143,11 +145,56 @@ def _flat_step_traced(
     flat_params: Any,
     extra_args: Mapping[str, Any],
     apply_updates: bool,
+    master: Mapping[str, Any] | None = None,
+    param_dtypes: Mapping[str, Any] | None = None,
 ) -> FlatStep:
     """The step itself; :func:`flat_step` decides whether it runs traced or compiled."""
+    if master:
+        return _master_step(
+            tx, step, opt_state, flat_grads, flat_params, extra_args, apply_updates, master, param_dtypes
+        )
     updates, new_state = tx.update(flat_grads, opt_state, flat_params, **extra_args)
     out = optax.apply_updates(flat_params, updates) if apply_updates else updates
     return FlatStep(jnp.asarray(step) + 1, new_state, out)
+
+
+def _master_step(
+    tx: optax.GradientTransformation,
+    step: Any,
+    opt_state: Any,
+    flat_grads: Any,
+    flat_params: Any,
+    extra_args: Mapping[str, Any],
+    apply_updates: bool,
+    master: Mapping[str, Any],
+    param_dtypes: Mapping[str, Any] | None,
+) -> FlatStep:
+    """The step on the master copies: grads cast up, ``tx`` run and applied on the masters.
+
+    Leaves without a master are stepped as without them. The output for a
+    leaf with one is its new master cast to the param's dtype, or (the
+    updates) that minus the param given, in the master's dtype.
+    """
+    grads = {k: g.astype(master[k].dtype) if k in master else g for k, g in flat_grads.items()}
+    params: dict[str, Any] | None
+    if flat_params is not None:
+        params = {k: master[k] if k in master else p for k, p in flat_params.items()}
+        dtypes = {k: flat_params[k].dtype for k in master}
+    else:  # tx reads the masters, if every trained leaf has one
+        params = {k: master[k] for k in flat_grads} if set(flat_grads) <= set(master) else None
+        dtypes = dict(param_dtypes or {})
+    updates, new_state = tx.update(grads, opt_state, params, **extra_args)
+    new_master = optax.apply_updates({k: master[k] for k in master}, {k: updates[k] for k in master})
+    out = {}
+    for k in flat_grads:
+        if k not in master:
+            out[k] = optax.apply_updates(flat_params[k], updates[k]) if apply_updates else updates[k]
+        elif apply_updates:
+            out[k] = new_master[k].astype(dtypes[k])
+        else:
+            given = flat_params[k] if flat_params is not None else master[k].astype(dtypes[k])
+            out[k] = new_master[k].astype(dtypes[k]).astype(master[k].dtype) - given.astype(master[k].dtype)
+    return FlatStep(jnp.asarray(step) + 1, new_state, out, new_master)
 
 
 def _flat_step_joined(
@@ -159,13 +206,18 @@ def _flat_step_joined(
     dynamic_extra: Sequence[Any],
     static_extra: Any,
     apply_updates: bool,
+    master: Any,
+    param_dtypes: tuple[tuple[str, str], ...] | None,
 ) -> FlatStep:
     extra = _join_extra(dynamic_extra, static_extra)
-    return _flat_step_traced(tx, step, opt_state, flat_grads, flat_params, extra, apply_updates)
+    dtypes = None if param_dtypes is None else {k: jnp.dtype(d) for k, d in param_dtypes}
+    return _flat_step_traced(
+        tx, step, opt_state, flat_grads, flat_params, extra, apply_updates, master, dtypes
+    )
 
 
 # The eager path: one compiled program per (tx, avals, static extras) instead of many small ops.
-_flat_step_compiled = jax.jit(_flat_step_joined, static_argnums=(0, 6, 7))
+_flat_step_compiled = jax.jit(_flat_step_joined, static_argnums=(0, 6, 7, 9))
 
 
 def flat_step(
@@ -177,6 +229,8 @@ def flat_step(
     *,
     apply_updates: bool = True,
     extra_args: Mapping[str, Any] | None = None,
+    master: Mapping[str, Any] | None = None,
+    param_dtypes: Mapping[str, Any] | None = None,
 ) -> FlatStep:
     """One optimizer step over the flat, named state: a pure function.
 
@@ -201,6 +255,13 @@ def flat_step(
         apply_updates: return the new params (default) or the updates.
         extra_args: keyword arguments for ``tx.update`` (e.g. ``value=loss``),
             over the flat named params as ``tx`` sees them.
+        master: ``{name: array}``, wider copies of some of the params (master
+            weights): ``tx`` runs on them, with the grads cast to their dtype,
+            and the step returns them updated; the output for those names is
+            the new master cast to the param's dtype (``apply_updates``), or
+            that minus the param given, in the master's dtype.
+        param_dtypes: ``{name: dtype}`` of the params that have a master, when
+            ``flat_params`` is ``None``.
 
     Returns:
         A :class:`FlatStep` ``(step + 1, new opt_state, new params or updates)``.
@@ -214,13 +275,21 @@ def flat_step(
         (1, Array([0.5, 0.5], dtype=float32))
     """
     extra = dict(extra_args or {})
+    master = dict(master) if master else None
     if is_tracer(step):
-        return _flat_step_traced(tx, step, opt_state, flat_grads, flat_params, extra, apply_updates)
+        return _flat_step_traced(
+            tx, step, opt_state, flat_grads, flat_params, extra, apply_updates, master, param_dtypes
+        )
     flat_grads, flat_params = _strong_tree(flat_grads), _strong_tree(flat_params)
     dynamic, static = _split_extra(extra)
+    dtypes = None if param_dtypes is None else tuple((k, jnp.dtype(d).name) for k, d in param_dtypes.items())
     try:
         hash(static)
     except TypeError:  # an unhashable extra argument: compiled for this call only
-        one_off = functools.partial(_flat_step_traced, tx, extra_args=extra, apply_updates=apply_updates)
-        return jax.jit(one_off)(step, opt_state, flat_grads, flat_params)
-    return _flat_step_compiled(tx, step, opt_state, flat_grads, flat_params, dynamic, static, apply_updates)
+        one_off = functools.partial(
+            _flat_step_traced, tx, extra_args=extra, apply_updates=apply_updates, param_dtypes=param_dtypes
+        )
+        return jax.jit(one_off)(step, opt_state, flat_grads, flat_params, master=master)
+    return _flat_step_compiled(
+        tx, step, opt_state, flat_grads, flat_params, dynamic, static, apply_updates, master, dtypes
+    )

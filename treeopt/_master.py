@@ -1,0 +1,74 @@
+"""Master weights: wider copies of the narrower trainable params, which the optimizer steps instead.
+
+``Optimizer(tx, master_dtype=jnp.float32)`` keeps, for every trainable
+floating leaf narrower than ``master_dtype`` (bfloat16, float16, float8), a
+copy in ``master_dtype`` keyed by its name; ``tx`` runs on those copies
+(:func:`treeopt.step.flat_step` with ``master=``) and the params get them cast
+back to their own dtype. Leaves already as wide are stepped as they are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def checked_master_dtype(master_dtype: Any) -> np.dtype | None:
+    """``master_dtype`` as a floating NumPy dtype (``None`` stays ``None``), or an error saying why not.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> checked_master_dtype(jnp.float32), checked_master_dtype("float32"), checked_master_dtype(None)
+        (dtype('float32'), dtype('float32'), None)
+        >>> checked_master_dtype(jnp.int32)
+        Traceback (most recent call last):
+        ...
+        TypeError: master_dtype must be a floating-point dtype such as jnp.float32, got int32.
+    """
+    if master_dtype is None:
+        return None
+    try:
+        dtype = jnp.dtype(master_dtype)
+    except TypeError:
+        raise TypeError(
+            f"master_dtype must be a floating-point dtype such as jnp.float32, got {master_dtype!r}."
+        ) from None
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(f"master_dtype must be a floating-point dtype such as jnp.float32, got {dtype.name}.")
+    if jax.dtypes.canonicalize_dtype(dtype) != dtype:
+        raise ValueError(
+            f"master_dtype={dtype.name} needs 64-bit JAX: set jax.config.update('jax_enable_x64', True) "
+            "first, or use jnp.float32."
+        )
+    return dtype
+
+
+def narrower(dtype: Any, master_dtype: np.dtype) -> bool:
+    """Whether a leaf of ``dtype`` gets a master copy: a real floating dtype with fewer bits.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> narrower(jnp.bfloat16, jnp.dtype("float32")), narrower(jnp.float32, jnp.dtype("float32"))
+        (True, False)
+    """
+    return bool(jnp.issubdtype(dtype, jnp.floating)) and jnp.finfo(dtype).bits < jnp.finfo(master_dtype).bits
+
+
+def masters_of(flat: Mapping[str, Any], master_dtype: np.dtype | None) -> dict[str, Any]:
+    """``{name: leaf cast to master_dtype}`` for the leaves of ``flat`` narrower than it.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> masters = masters_of({"w": jnp.ones(2, jnp.bfloat16), "b": jnp.ones(2)}, jnp.dtype("float32"))
+        >>> {name: m.dtype.name for name, m in masters.items()}
+        {'w': 'float32'}
+    """
+    if master_dtype is None:
+        return {}
+    return {
+        name: leaf.astype(master_dtype) for name, leaf in flat.items() if narrower(leaf.dtype, master_dtype)
+    }
