@@ -251,6 +251,27 @@ def test_guide_runs(page, monkeypatch, tmp_path):
         exec(compile(source, f"docs/{page}", "exec", dont_inherit=True), module.__dict__)
 
 
+# -- numbers the README repeats ------------------------------------------------------
+
+
+def test_readme_counts_the_parity_list():
+    from test_parity import TRANSFORMATIONS
+
+    readme = (ROOT / "README.md").read_text()
+    assert f"Parity: for {len(TRANSFORMATIONS)} optax transformations" in readme
+
+
+def test_readme_quotes_the_measured_nnx_figures():
+    """The README's nnx.Optimizer ratios are those of docs/benchmarks.md's results, not a rounding of them."""
+    row = next(line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith("| `flax.nnx.Optimizer`"))
+    results = (DOCS / "benchmarks.md").read_text().split("## Results", 1)[1]
+    measured = next(line for line in results.splitlines() if line.startswith("| `flax.nnx.Optimizer`"))
+    figures = re.findall(r"(`nnx\.jit`|split/merge) (\d[\d.]*\u2013\d[\d.]*\u00d7)", row)
+    assert len(figures) == 2, row
+    for name, figure in figures:
+        assert f"{name} {figure}" in measured, (name, figure, measured)
+
+
 # -- what the rendered site shows ---------------------------------------------------
 
 # Characters of code a page's column shows whole at a 1280 px wide window, in the
