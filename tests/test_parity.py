@@ -115,7 +115,8 @@ def assert_same(actual, expected):
     assert jax.tree.structure(actual) == jax.tree.structure(expected)
     for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
         assert a.dtype == e.dtype and a.shape == e.shape
-        np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=RTOL, atol=ATOL)
+        # Compared in float64, exactly the same values: NumPy 1.x's allclose cannot promote bfloat16.
+        np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(e, np.float64), rtol=RTOL, atol=ATOL)
 
 
 # Lower-case keys and lists shorter than 10: the flat names then sort in the same
