@@ -27,7 +27,6 @@ import sys
 import textwrap
 import threading
 import time
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -43,16 +42,6 @@ PARAMS = {"w": jnp.zeros(4)}
 BASE = treeopt.Optimizer(optax.adam(0.1)).init(PARAMS)
 TARGET = jax.eval_shape(treeopt.Optimizer(optax.adam(0.1)).init, PARAMS)
 ABSTRACT_PARAMS = jax.eval_shape(lambda: PARAMS)
-
-
-@pytest.fixture(autouse=True)
-def collect_abandoned_coroutines():
-    """A simulated kill stops orbax mid-write and abandons its coroutines: collect them here,
-    where that is expected, rather than let Python warn about them in whichever test runs next."""
-    yield
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="coroutine .* was never awaited", category=RuntimeWarning)
-        gc.collect()
 
 
 def state_at(step):
@@ -189,8 +178,6 @@ def _rmtree_order(directory):
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_a_half_deleted_checkpoint_is_reported_as_damaged(tmp_path):
     """Each point of an interrupted deletion: restore succeeds whole, or says the checkpoint is damaged."""
-    import gc
-
     good = tmp_path / "good"
     ser.save(good, *state_at(5))
     order = _rmtree_order(good)
@@ -213,12 +200,11 @@ def test_a_half_deleted_checkpoint_is_reported_as_damaged(tmp_path):
                 message = str(e)
                 assert "damaged or incomplete" in message, (order[:count], message)
                 assert "alone" not in message and "without them" not in message
-                gc.collect()
                 continue
             opt, params = restored if kwargs else (restored, {"w": -restored.step})
             assert check_values(opt, params) == 5
     assert failures > len(order)  # most cuts damage something essential
-    gc.collect()
+    gc.collect()  # orbax's abandoned reads complain here, under this test's filter (one full pass)
 
 
 def test_a_missing_params_item_is_damage_when_the_metadata_lists_it(tmp_path):
