@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 
@@ -19,9 +20,16 @@ def assert_trees_close(actual: Any, expected: Any, *, same_dtypes: bool = False,
     """Same structure and values within ``tol`` (``rtol=``, ``atol=`` of ``np.testing.assert_allclose``).
 
     With ``same_dtypes``, every leaf also has the dtype and shape of the expected one.
+    Floating leaves are compared in float64, which holds every narrower float
+    exactly (NumPy 1.x's ``allclose`` cannot promote bfloat16).
     """
     assert jax.tree.structure(actual) == jax.tree.structure(expected)
     for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
         if same_dtypes:
             assert (a.dtype, a.shape) == (e.dtype, e.shape)
-        np.testing.assert_allclose(np.asarray(a), np.asarray(e), **tol)
+        np.testing.assert_allclose(_comparable(a), _comparable(e), **tol)
+
+
+def _comparable(x: Any) -> np.ndarray:
+    x = np.asarray(x)
+    return x.astype(np.float64) if jnp.issubdtype(x.dtype, jnp.floating) else x

@@ -332,14 +332,13 @@ def test_corrupted_checkpoint_directory_never_restores_silently(tmp_path):
             )
         except (CheckpointError, ser.StateDictError, FileNotFoundError):
             raised.add(case)
-            gc.collect()  # orbax's abandoned reads complain here, under this test's filter
             continue
         got = as_numpy(restored)
         assert got.keys() == expected.keys()
         for k in got:
             np.testing.assert_array_equal(got[k], expected[k], err_msg=str(case))
         assert_same_params(restored_params, params)
-    gc.collect()
+    gc.collect()  # orbax's abandoned reads complain here, under this test's filter (one full pass)
     for essential in ("_CHECKPOINT_METADATA", os.path.join("optimizer", "_METADATA")):
         assert (essential, "delete") in raised and (essential, "truncate") in raised
     assert any(damage == "flip data" for _, damage in raised)
@@ -424,6 +423,8 @@ def _run_child(directory, mode, stop_after):
             seen.append(line.split())
             if seen[-1][0] == stop_after[0] and int(seen[-1][1]) >= stop_after[1]:
                 break
+            if int(seen[-1][1]) > stop_after[1] + 3:
+                break  # it went past the point it should stop at: the caller's checks fail, nothing hangs
     finally:
         child.kill()  # SIGKILL: no cleanup, no atexit, as a preempted job
         child.wait(timeout=60)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import itertools
 import os
 import random
 import shutil
@@ -28,7 +27,6 @@ import sys
 import textwrap
 import threading
 import time
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -44,16 +42,6 @@ PARAMS = {"w": jnp.zeros(4)}
 BASE = treeopt.Optimizer(optax.adam(0.1)).init(PARAMS)
 TARGET = jax.eval_shape(treeopt.Optimizer(optax.adam(0.1)).init, PARAMS)
 ABSTRACT_PARAMS = jax.eval_shape(lambda: PARAMS)
-
-
-@pytest.fixture(autouse=True)
-def collect_abandoned_coroutines():
-    """A simulated kill stops orbax mid-write and abandons its coroutines: collect them here,
-    where that is expected, rather than let Python warn about them in whichever test runs next."""
-    yield
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="coroutine .* was never awaited", category=RuntimeWarning)
-        gc.collect()
 
 
 def state_at(step):
@@ -190,8 +178,6 @@ def _rmtree_order(directory):
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_a_half_deleted_checkpoint_is_reported_as_damaged(tmp_path):
     """Each point of an interrupted deletion: restore succeeds whole, or says the checkpoint is damaged."""
-    import gc
-
     good = tmp_path / "good"
     ser.save(good, *state_at(5))
     order = _rmtree_order(good)
@@ -214,12 +200,11 @@ def test_a_half_deleted_checkpoint_is_reported_as_damaged(tmp_path):
                 message = str(e)
                 assert "damaged or incomplete" in message, (order[:count], message)
                 assert "alone" not in message and "without them" not in message
-                gc.collect()
                 continue
             opt, params = restored if kwargs else (restored, {"w": -restored.step})
             assert check_values(opt, params) == 5
     assert failures > len(order)  # most cuts damage something essential
-    gc.collect()
+    gc.collect()  # orbax's abandoned reads complain here, under this test's filter (one full pass)
 
 
 def test_a_missing_params_item_is_damage_when_the_metadata_lists_it(tmp_path):
@@ -285,15 +270,18 @@ class _DieAt:
     The changes are the ``os`` calls that create, rename or delete files and
     directories (``shutil.rmtree`` and orbax use them). Once "dead", nothing
     changes the disk any more, so what is there is what a SIGKILL at that
-    instant leaves.
+    instant leaves. With ``at=None`` it never dies and only records, in
+    ``operations``, each change as ``(name, inside a tree's deletion)``: the
+    latter are ``shutil.rmtree``'s removals relative to a directory it holds open.
     """
 
     NAMES = ("mkdir", "rename", "replace", "rmdir", "unlink", "remove")
 
-    def __init__(self, at):
+    def __init__(self, at=None):
         self.at = at
         self.count = 0
         self.dead = False
+        self.operations = []
         self._lock = threading.Lock()
         self._originals = {name: getattr(os, name) for name in self.NAMES}
 
@@ -303,6 +291,7 @@ class _DieAt:
                 if self.count == self.at:
                     self.dead = True
                 self.count += 1
+                self.operations.append((original.__name__, "dir_fd" in kwargs))
                 dead = self.dead
             if dead:
                 raise _Killed(f"killed before {original.__name__}{args}")
@@ -319,6 +308,35 @@ class _DieAt:
         for name, original in self._originals.items():
             setattr(os, name, original)
         return isinstance(exc[1], _Killed)  # the process is dead: nothing after the crash runs
+
+
+def _kill_points(operations):
+    """The indices of ``operations`` (``_DieAt.operations``) to die at.
+
+    Every operation, except inside the deletion of a tree (an old checkpoint,
+    already renamed aside, removed file by file): a death at any of those leaves
+    the same committed checkpoints with more or less of that tree left, so its
+    first, middle and last operations stand for the rest.
+    ``test_a_half_deleted_checkpoint_is_reported_as_damaged`` restores each cut
+    of a deletion.
+    """
+    points, deletion = [], []
+    for index, (_, inside_deletion) in enumerate([*operations, ("end", False)]):
+        if inside_deletion:
+            deletion.append(index)
+            continue
+        if deletion:
+            points += sorted({deletion[0], deletion[len(deletion) // 2], deletion[-1]})
+            deletion = []
+        points.append(index)
+    return points[:-1]  # not the end
+
+
+def test_kill_points_keep_every_operation_but_the_middle_of_a_deletion():
+    operations = [("mkdir", False), ("rename", False)] + [("unlink", True)] * 7 + [("rmdir", False)]
+    assert _kill_points(operations) == [0, 1, 2, 5, 8, 9]
+    assert _kill_points([("unlink", True)] * 2) == [0, 1]
+    assert _kill_points([("mkdir", False)]) == [0]
 
 
 @pytest.fixture
@@ -338,17 +356,27 @@ def short_orbax_waits(monkeypatch):
 def test_a_forced_save_killed_at_any_filesystem_operation_loses_nothing(tmp_path):
     template = tmp_path / "template"
     ser.save(template / "ckpt", *state_at(1))
-    outcomes = []
-    for at in itertools.count():
+
+    def fresh_copy():
         work = tmp_path / "work"
         shutil.rmtree(work, ignore_errors=True)
         shutil.copytree(template, work)
-        path = work / "ckpt"
+        return work / "ckpt"
+
+    path = fresh_copy()
+    with _DieAt() as record:  # the whole save, operation by operation
+        ser.save(path, *state_at(2), force=True)
+    assert restored_step(path) == 2 and siblings(path) == ["ckpt"]
+    names = [name for name, _ in record.operations]
+    # orbax's writes, the renames of the commit and the deletion of the old checkpoint
+    assert {"mkdir", "rename", "unlink", "rmdir"} <= set(names), names
+    points = _kill_points(record.operations)
+    outcomes = []
+    for at in points:
+        path = fresh_copy()
         with _DieAt(at) as death:
             ser.save(path, *state_at(2), force=True)
-        if not death.dead:  # the save finished before its at-th operation
-            assert restored_step(path) == 2 and siblings(path) == ["ckpt"]
-            break
+        assert death.dead, (at, record.operations)
         got = restored_step(path)
         outcomes.append(got)
         # The next run starts from this debris: killed at the same point once more, then a full save.
@@ -358,7 +386,6 @@ def test_a_forced_save_killed_at_any_filesystem_operation_loses_nothing(tmp_path
         ser.save(path, *state_at(4), force=True)
         assert restored_step(path) == 4
         assert siblings(path) == ["ckpt"]
-    assert len(outcomes) > 20  # orbax's writes, the renames and the deletion were all interrupted
     # one commit point: the old checkpoint up to it, the new one after, never back
     assert outcomes == sorted(outcomes) and outcomes[0] == 1 and outcomes[-1] == 2
 
@@ -370,18 +397,27 @@ def test_a_manager_killed_at_any_filesystem_operation_lists_only_steps_that_rest
     with ser.CheckpointManager(template, max_to_keep=2, enable_async_checkpointing=False) as manager:
         for step in (1, 2):
             manager.save(step, *state_at(step))
-    outcomes = []
-    for at in itertools.count():
+
+    def fresh_copy():
         work = tmp_path / "work"
         shutil.rmtree(work, ignore_errors=True)
         shutil.copytree(template, work)
-        manager = ser.CheckpointManager(work, max_to_keep=2, enable_async_checkpointing=False)
+        return work, ser.CheckpointManager(work, max_to_keep=2, enable_async_checkpointing=False)
+
+    work, manager = fresh_copy()
+    with _DieAt() as record:  # the whole save, operation by operation
+        manager.save(3, *state_at(3))  # commits 3, then drops 1
+    manager.close()
+    assert manager_steps(work) == [2, 3]
+    names = [name for name, _ in record.operations]
+    # orbax's writes, the commit's rename and the deletion of step 1
+    assert {"mkdir", "rename", "unlink", "rmdir"} <= set(names), names
+    outcomes = []
+    for at in _kill_points(record.operations):
+        work, manager = fresh_copy()
         with _DieAt(at) as death:
-            manager.save(3, *state_at(3))  # commits 3, then drops 1
-        if not death.dead:
-            manager.close()
-            assert manager_steps(work) == [2, 3]
-            break
+            manager.save(3, *state_at(3))
+        assert death.dead, (at, record.operations)
         # `manager` died with its process: it is left as it is, never closed
         steps = manager_steps(work)  # every listed step restores
         assert steps in ([1, 2], [1, 2, 3], [2, 3]), steps
@@ -390,8 +426,7 @@ def test_a_manager_killed_at_any_filesystem_operation_lists_only_steps_that_rest
             assert reopened.save(4, *state_at(4))
         assert manager_steps(work) == [steps[-1], 4]
         assert dropped_steps_left(work) == []
-    assert len(outcomes) > 20
-    assert [1, 2] in outcomes and [1, 2, 3] in outcomes
+    assert [1, 2] in outcomes and [1, 2, 3] in outcomes and [2, 3] in outcomes
 
 
 # -- SIGKILL at random instants -----------------------------------------------------------------
@@ -443,10 +478,16 @@ def _wait_for_a_deletion(directory, rng, timeout=3.0):
     deadline = time.monotonic() + timeout
     count = _file_count(directory)
     while time.monotonic() < deadline:
+        time.sleep(0.002)  # polls, leaving the cores to the child (and to other tests)
         now = _file_count(directory)
         if now < count:
             return
         count = now
+
+
+# The random instants are drawn from this seed, so that two runs try the same ones; set
+# TREEOPT_KILL_SEED to try others (a failure names the seed it ran with).
+KILL_SEED = 20240607
 
 
 def _kill_at_random_instants(tmp_path, mode, watched, trials, check):
@@ -454,9 +495,11 @@ def _kill_at_random_instants(tmp_path, mode, watched, trials, check):
 
     The instant is a random delay after the child is ready (any phase of a
     save) on even trials, and a moment when files under ``watched`` are being
-    deleted on odd ones.
+    deleted on odd ones. The delays come from ``TREEOPT_KILL_SEED`` (default
+    ``KILL_SEED``); the kill still lands wherever the child is at that instant.
     """
-    seed = int(os.environ.get("TREEOPT_KILL_SEED", time.time_ns()))
+    seed = int(os.environ.get("TREEOPT_KILL_SEED", KILL_SEED))
+    print(f"kill instants from TREEOPT_KILL_SEED={seed}")
     rng = random.Random(seed)
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO, "XLA_FLAGS": ""}
     directory = watched / "ckpt" if mode == "save" else watched

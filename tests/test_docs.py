@@ -252,7 +252,66 @@ def test_guide_runs(page, monkeypatch, tmp_path):
         exec(compile(source, f"docs/{page}", "exec", dont_inherit=True), module.__dict__)
 
 
+# -- numbers the README repeats ------------------------------------------------------
+
+
+def test_readme_counts_the_parity_list():
+    from test_parity import TRANSFORMATIONS
+
+    readme = (ROOT / "README.md").read_text()
+    assert f"Parity: for {len(TRANSFORMATIONS)} optax transformations" in readme
+
+
+def test_readme_quotes_the_measured_nnx_figures():
+    """The README's nnx.Optimizer ratios are those of docs/benchmarks.md's results, not a rounding of them."""
+    row = next(line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith("| `flax.nnx.Optimizer`"))
+    results = (DOCS / "benchmarks.md").read_text().split("## Results", 1)[1]
+    measured = next(line for line in results.splitlines() if line.startswith("| `flax.nnx.Optimizer`"))
+    figures = re.findall(r"(`nnx\.jit`|split/merge) (\d[\d.]*\u2013\d[\d.]*\u00d7)", row)
+    assert len(figures) == 2, row
+    for name, figure in figures:
+        assert f"{name} {figure}" in measured, (name, figure, measured)
+
+
 # -- what the rendered site shows ---------------------------------------------------
+
+# Characters of code a page's column shows whole at a 1280 px wide window, in the
+# theme's code font (measured in Chromium: 656 px of text at 8.16 px a character),
+# and in one column of a side-by-side grid on a page without its table of contents
+# (docs/stylesheets/extra.css). Program output, fenced as ```{.text .output}, wraps instead.
+CODE_COLUMNS = 80
+GRID_COLUMNS = 53
+_GRID = re.compile(r'<div class="grid" markdown>.*?</div>', re.S)
+
+
+def _long_code_lines(text: str) -> list[tuple[int, int, str]]:
+    """``(line number, length, line)`` of each code line too wide to show whole in ``text``."""
+    grids = [match.span() for match in _GRID.finditer(text)]
+    found = []
+    for match in _FENCE.finditer(text):
+        if re.search(r"\.output\b", match["info"]):
+            continue
+        in_grid = any(start <= match.start() < end for start, end in grids)
+        limit = GRID_COLUMNS if in_grid else CODE_COLUMNS
+        first = text.count("\n", 0, match.start("body")) + 1
+        for offset, line in enumerate(textwrap.dedent(match["body"]).splitlines()):
+            if len(line) > limit:
+                found.append((first + offset, len(line), line))
+    return found
+
+
+def test_long_code_lines_are_found():
+    grid = '<div class="grid" markdown>\n\n```py\n' + "g" * 54 + "\n```\n\n</div>\n"
+    text = "```python\n" + "x" * 80 + "\n" + "y" * 81 + "\n```\n```{.text .output}\n" + "z" * 99 + "\n```\n" + grid
+    assert _long_code_lines(text) == [(3, 81, "y" * 81), (11, 54, "g" * 54)]
+
+
+@pytest.mark.parametrize("page", sorted(p.relative_to(DOCS).as_posix() for p in DOCS.rglob("*.md")))
+def test_code_lines_show_whole_at_1280px(page):
+    """No code line hides behind a horizontal scrollbar on a 1280 px screen."""
+    long = _long_code_lines((DOCS / page).read_text())
+    assert not long, f"docs/{page}: code lines wider than the column: {long}"
+
 
 
 def test_notebook_section_headings_have_no_inline_code():

@@ -246,14 +246,14 @@ def zero_leaf_spec(
     Example:
         >>> from jax.sharding import PartitionSpec as P
         >>> sizes = {"data": 4, "model": 2}
-        >>> zero_leaf_spec((16, 8), P(None, "model"), ["data"], sizes)
-        ZeroLeafSpec(spec=P('data', 'model'), dim=0, reason=None)
-        >>> zero_leaf_spec((6, 8), P(), ["data"], sizes)           # 8 is divisible, 6 is not
-        ZeroLeafSpec(spec=P(None, 'data'), dim=1, reason=None)
-        >>> zero_leaf_spec((6, 10), P(), ["data"], sizes)
-        ZeroLeafSpec(spec=P(), dim=None, reason='not divisible')
-        >>> zero_leaf_spec((16,), P("data"), ["data"], sizes)      # FSDP: already there
-        ZeroLeafSpec(spec=P('data',), dim=None, reason='already uses the axis')
+        >>> zero_leaf_spec((16, 8), P(None, "model"), ["data"], sizes) == (P("data", "model"), 0, None)
+        True
+        >>> zero_leaf_spec((6, 8), P(), ["data"], sizes).dim      # 8 is divisible, 6 is not
+        1
+        >>> zero_leaf_spec((6, 10), P(), ["data"], sizes).reason
+        'not divisible'
+        >>> zero_leaf_spec((16,), P("data"), ["data"], sizes) == (P("data"), None, "already uses the axis")
+        True
     """
     used = {name for entry in spec for name in axis_names_of(entry)}
     add = tuple(a for a in axes if a not in used)

@@ -29,6 +29,7 @@ import jax
 from flax.core import meta
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from treeopt._abstract import eval_shape
 from treeopt._deprecated import moved_names
 from treeopt._specs import check_axes, is_spec
 from treeopt._state_specs import checked_param_specs, state_parts
@@ -353,7 +354,7 @@ def init_sharded(
         param_specs = param_specs_of(param_specs)
     if _has_boxes(params):
         params = _unbox(params)
-    abstract = jax.eval_shape(opt.init, params)
+    abstract = eval_shape(opt.init, params)
     shardings = optimizer_shardings(
         abstract, param_specs, mesh, rules=rules, shard_state_over=shard_state_over
     )
