@@ -52,21 +52,16 @@ suite's own process may have one device). Run alone:
 from __future__ import annotations
 
 import json
-import os
-import re
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from benchmarks._common import Profile, Row
+from benchmarks._common import Profile, Row, run_child
 
 CASE = "mixed_precision"
 DEVICES = 8
-ROOT = Path(__file__).resolve().parent.parent
 BASELINE = "optax"
 HELD_OUT = 256  # sequences the fine-tuned models' loss is measured on
 # --smoke checks that the case runs, not its speed: XLA's CPU backend optimizes less, compiling faster.
@@ -431,27 +426,10 @@ def _config_dict(config: Config) -> dict[str, Any]:
 
 def measure(profile_name: str, timeout_s: float = 3600) -> dict[str, Any]:
     """The whole case in a fresh Python process with 8 virtual CPU devices; ``error`` if it failed."""
-    env = dict(os.environ)
-    flags = [f for f in env.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
-    flags.append(f"--xla_force_host_platform_device_count={DEVICES}")
-    if profile_name == "smoke":
-        flags.extend(SMOKE_XLA_FLAGS)
-    env["XLA_FLAGS"] = " ".join(flags)
-    env["JAX_PLATFORMS"] = "cpu"
-    env.pop("JAX_NUM_CPU_DEVICES", None)
-    cmd = [sys.executable, "-m", "benchmarks.mixed_precision", "--child", profile_name]
-    try:
-        done = subprocess.run(
-            cmd, capture_output=True, text=True, timeout=timeout_s, check=False, cwd=ROOT, env=env
-        )
-    except subprocess.TimeoutExpired:
-        return {"error": f"over {timeout_s:.0f} s"}
-    if done.returncode != 0:
-        lines = (done.stderr or "").strip().splitlines()
-        # The exception's line, or XLA's fatal log line (e.g. a collective that timed out).
-        errors = [line for line in lines if re.match(r"^([\w.]*(Error|Exception)\b|F\d{4} )", line)]
-        return {"error": ((errors or lines)[-1:] or [f"exit {done.returncode}"])[0][:200]}
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    flags = SMOKE_XLA_FLAGS if profile_name == "smoke" else ()
+    return run_child(
+        "benchmarks.mixed_precision", [profile_name], devices=DEVICES, xla_flags=flags, timeout_s=timeout_s
+    )
 
 
 def run(profile: Profile, log: Callable[[str], None] = print) -> list[Row]:
