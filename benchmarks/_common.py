@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import gc
+import json
 import os
 import platform
 import random
+import re
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from importlib import metadata
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -280,3 +285,33 @@ def environment() -> dict[str, Any]:
         "device_count": jax.device_count(),
         **{pkg: version(pkg) for pkg in ("jax", "jaxlib", "optax", "flax", "treeopt", "numpy")},
     }
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_child(
+    module: str, args: Sequence[str], *, devices: int | None = None, xla_flags: Sequence[str] = (), timeout_s: float
+) -> dict[str, Any]:
+    """``python -m module --child *args`` in a fresh process: the JSON of its last stdout line.
+
+    ``devices``: that many virtual CPU devices (XLA reads the flag when JAX starts,
+    hence the fresh process). A failure or a timeout gives ``{"error": ...}``: the
+    exception's line, or XLA's fatal log line (a collective that timed out).
+    """
+    env = dict(os.environ)
+    if devices is not None:
+        flags = [f for f in env.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
+        env["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={devices}", *xla_flags])
+        env["JAX_PLATFORMS"] = "cpu"
+        env.pop("JAX_NUM_CPU_DEVICES", None)
+    cmd = [sys.executable, "-m", module, "--child", *args]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, check=False, cwd=ROOT, env=env)
+    except subprocess.TimeoutExpired:
+        return {"error": f"over {timeout_s:.0f} s"}
+    if done.returncode != 0:
+        lines = (done.stderr or "").strip().splitlines()
+        errors = [line for line in lines if re.match(r"^([\w.]*(Error|Exception)\b|F\d{4} )", line)]
+        return {"error": ((errors or lines)[-1:] or [f"exit {done.returncode}"])[0][:200]}
+    return json.loads(done.stdout.strip().splitlines()[-1])

@@ -37,6 +37,17 @@ NOTES: dict[str, Sequence[tuple[str, str]]] = {
         ("peak_mib", "peak RSS {:,.0f} MiB"),
         ("error", "{}"),
     ),
+    "mixed_precision": (
+        ("vs_float32_zero", "x float32 ZeRO-1 {:.3f}"),
+        ("p25_ms", "p25 {:.1f}"),
+        ("p75_ms", "p75 {:.1f}"),
+        ("mib_device0", "params + state {:.2f} MiB/device"),
+        ("bytes_per_param", "{:.3f} B/param"),
+        ("arithmetic_bytes_per_param", "arithmetic {:.3f}"),
+        ("loss", "loss {}"),
+        ("moved", "moved {:.1%}"),
+        ("error", "{}"),
+    ),
 }
 
 

@@ -14,18 +14,15 @@ from __future__ import annotations
 
 import json
 import resource
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
-from benchmarks._common import Profile, Row, with_ratios
+from benchmarks._common import Profile, Row, run_child, with_ratios
 
 CASE = "many_leaves"
 VARIANTS = ("optax", "treeopt", "treeopt (eager)")
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def _child(variant: str, n_leaves: int, opt_name: str) -> dict[str, Any]:
@@ -56,15 +53,8 @@ def _child(variant: str, n_leaves: int, opt_name: str) -> dict[str, Any]:
 
 def measure(variant: str, n_leaves: int, opt_name: str, timeout_s: float = 1800) -> dict[str, Any]:
     """One variant at one size, in a fresh Python process; ``None`` figures if it failed or ran out."""
-    cmd = [sys.executable, "-m", "benchmarks.many_leaves", "--child", variant, str(n_leaves), opt_name]
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, check=False, cwd=ROOT)
-    except subprocess.TimeoutExpired:
-        return {"init_s": None, "first_s": None, "peak_mib": None, "error": f"over {timeout_s:.0f} s"}
-    if done.returncode != 0:
-        tail = (done.stderr or "").strip().splitlines()[-1:] or [f"exit {done.returncode}"]
-        return {"init_s": None, "first_s": None, "peak_mib": None, "error": tail[0][:200]}
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    out = run_child("benchmarks.many_leaves", [variant, str(n_leaves), opt_name], timeout_s=timeout_s)
+    return {"init_s": None, "first_s": None, "peak_mib": None, **out}
 
 
 def run(profile: Profile, log: Callable[[str], None] = print) -> list[Row]:

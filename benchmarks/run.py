@@ -31,6 +31,7 @@ from benchmarks import (
     gpu_bandwidth,
     many_leaves,
     memory,
+    mixed_precision,
     nnx_loop,
     optimizer_only,
     retrace,
@@ -56,6 +57,10 @@ CASES: dict[str, tuple[str, Callable[..., list[Row]]]] = {
     ),
     "nnx_loop": ("9. nnx training loop, BatchNorm + Dropout (median ms per step)", nnx_loop.run),
     "zero": ("10. ZeRO-1: adam state per device, 8 virtual CPU devices (MiB), own process", zero.run),
+    "mixed_precision": (
+        "11. Mixed precision: bf16 + f32 masters, ZeRO-1, 8 virtual CPU devices (ms per step), own process",
+        mixed_precision.run,
+    ),
 }
 
 

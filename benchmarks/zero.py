@@ -23,22 +23,18 @@ Run alone: ``python -m benchmarks.zero``.
 from __future__ import annotations
 
 import json
-import os
 import resource
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
-from benchmarks._common import Profile, Row, spread
+from benchmarks._common import Profile, Row, run_child, spread
 
 CASE = "zero"
 VARIANTS = {"replicated state": None, "ZeRO over data": "data"}
 DEVICES = 8
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def transformer_shapes(vocab: int, d_model: int, n_layers: int, d_ff: int) -> dict[str, Any]:
@@ -137,22 +133,8 @@ def _child(variant: str, config: Sequence[Any], opt_name: str) -> dict[str, Any]
 
 def measure(variant: str, config: Sequence[Any], opt_name: str, timeout_s: float = 1800) -> dict[str, Any]:
     """One variant in a fresh Python process with 8 virtual CPU devices; ``error`` if it failed."""
-    env = dict(os.environ)
-    flags = [f for f in env.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
-    env["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={DEVICES}"])
-    env["JAX_PLATFORMS"] = "cpu"
-    env.pop("JAX_NUM_CPU_DEVICES", None)
-    cmd = [sys.executable, "-m", "benchmarks.zero", "--child", variant, json.dumps(list(config)), opt_name]
-    try:
-        done = subprocess.run(
-            cmd, capture_output=True, text=True, timeout=timeout_s, check=False, cwd=ROOT, env=env
-        )
-    except subprocess.TimeoutExpired:
-        return {"error": f"over {timeout_s:.0f} s"}
-    if done.returncode != 0:
-        tail = (done.stderr or "").strip().splitlines()[-1:] or [f"exit {done.returncode}"]
-        return {"error": tail[0][:200]}
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    args = [variant, json.dumps(list(config)), opt_name]
+    return run_child("benchmarks.zero", args, devices=DEVICES, timeout_s=timeout_s)
 
 
 def run(profile: Profile, log: Callable[[str], None] = print) -> list[Row]:

@@ -28,6 +28,12 @@ CASE_VARIANTS = {
         "nnx.Optimizer (cached_partial)",
     },
     "zero": {"replicated state", "ZeRO over data"},
+    "mixed_precision": {
+        "optax",
+        "bf16 + f32 masters, ZeRO-1",
+        "float32, ZeRO-1",
+        "bf16, no masters, ZeRO-1",
+    },
 }
 
 
@@ -95,6 +101,24 @@ def check_zero_splits_the_state_eight_ways(results: dict) -> None:
     assert zero["argument_size_in_bytes"] < base["argument_size_in_bytes"]
 
 
+def check_mixed_precision_bytes_follow_the_arithmetic(results: dict) -> None:
+    by_variant = {r["variant"]: r for r in rows(results, "mixed_precision")}
+    for r in by_variant.values():
+        assert "error" not in r, r
+        # Per param: 2 + 12/8 (bf16, f32 masters and moments split 8 ways), 4 + 8/8, 12, 2 + 4/8;
+        # beyond that only the int32 step counts (adam's, and treeopt's own).
+        extra = r["bytes_device0"] - r["arithmetic_bytes_per_param"] * r["n_params"]
+        assert extra == (4 if r["variant"] == "optax" else 8), r
+        assert math.isfinite(r["final_loss"]) and r["final_loss"] > 0, r
+    masters = by_variant["bf16 + f32 masters, ZeRO-1"]
+    assert [r["arithmetic_bytes_per_param"] for r in by_variant.values()] == [12, 3.5, 5, 2.5]
+    assert masters["master_bytes_device0"] * 8 == 4 * masters["n_params"]
+    assert by_variant["float32, ZeRO-1"]["master_bytes_device0"] == 0  # float32 params get no copy
+    # The same numbers: ZeRO-1 on float32 params fine-tunes like raw optax.
+    float32, optax_ = by_variant["float32, ZeRO-1"], by_variant["optax"]
+    assert float32["final_loss"] == pytest.approx(optax_["final_loss"], rel=1e-6)
+
+
 def check_gpu_case_skips_cleanly_without_a_gpu(results: dict) -> None:
     (row,) = rows(results, "gpu_bandwidth")
     if row["variant"].startswith("no GPU"):
@@ -117,6 +141,7 @@ def test_smoke_run_measures_every_case(tmp_path: Path) -> None:
     check_many_leaves_ran_each_variant_in_its_own_process(saved)
     check_nnx_loop_variants_train_the_same_numbers(saved)
     check_zero_splits_the_state_eight_ways(saved)
+    check_mixed_precision_bytes_follow_the_arithmetic(saved)
 
 
 def test_gpu_case_code_path_runs_on_any_backend() -> None:
