@@ -238,22 +238,28 @@ def test_a_module_in_eval_mode_is_still_the_module_given_to_init():
     assert int(opt.step) == 2
 
 
-def test_value_fn_gets_the_module_as_it_is_now():
-    """L-BFGS on a Module put in eval mode after init: value_fn sees it in eval mode."""
+def test_value_fn_gets_the_trained_values_of_a_module_in_eval_mode():
+    """L-BFGS on a Module put in eval mode after init: value_fn gets an nnx.State of the Params, as
+    nnx.Optimizer gives it, and evaluates it with the graphdef of the model as it is now."""
     model = new_net()
     opt = treeopt.Optimizer(optax.lbfgs()).init(model)
     model.eval()
-    modes = []
+    graphdef, _, rest = nnx.split(model, nnx.Param, ...)
+    seen = []
 
-    def objective(model):
-        modes.append(model.drop.deterministic and model.bn.use_running_average)
+    def objective(state):
+        seen.append(sorted(nnx.to_flat_state(state).paths))
+        model = nnx.merge(graphdef, state, rest, copy=True)
+        assert model.drop.deterministic and model.bn.use_running_average
         return loss_fn(model, X, Y)
 
-    first = float(objective(model))
+    first = float(loss_fn(model, X, Y))
     for _ in range(3):
-        value, grads = nnx.value_and_grad(objective)(model)
+        value, grads = nnx.value_and_grad(loss_fn)(model, X, Y)
         opt.update(grads, model, value=value, grad=grads, value_fn=objective)
-    assert all(modes) and float(objective(model)) < first
+    expected = [tuple(path.split("/")) for path in PARAM_PATHS]
+    assert seen and all(paths == expected for paths in seen)
+    assert float(loss_fn(model, X, Y)) < first
 
 
 # -- training loops: nnx.Optimizer's losses, bit for bit, across a checkpoint --------------

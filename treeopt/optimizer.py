@@ -226,8 +226,11 @@ class Optimizer:
             **extra_args: passed to ``tx.update`` (``value=loss`` for
                 ``optax.contrib.reduce_on_plateau``; ``value``, ``grad`` and
                 ``value_fn`` for ``optax.lbfgs``). A function (``value_fn``) is
-                called with params in the structure given here; a tree shaped like
-                params or grads (``grad``) is matched by name like ``grads``.
+                called with params in the structure given here, but for an nnx
+                Module with an ``nnx.State`` of the trained values, as
+                ``nnx.Optimizer`` calls it (evaluate it with
+                ``nnx.merge(graphdef, state, rest)``); a tree shaped like params
+                or grads (``grad``) is matched by name like ``grads``.
 
         Returns:
             New params of the same type and structure as ``params``, or the updates.
