@@ -110,10 +110,15 @@ class Optimizer:
     wrt: Wrt
     """Which leaves are trained, as given to the constructor (static)."""
     step: jax.Array | None
-    """The number of updates applied so far: an int32 scalar array (a leaf), ``None`` before ``init``.
+    """The number of ``update`` calls so far: an int32 scalar array (a leaf), ``None`` before ``init``.
 
     Save a checkpoint after the update under ``int(opt.step)``: it then holds
     the state after that many updates.
+
+    It counts calls, whatever ``tx`` makes of them: under ``optax.MultiSteps``
+    (gradient accumulation) most calls only accumulate, and the number of
+    updates applied to the params is ``gradient_step`` in the optax state, read
+    by name: ``optax.tree_utils.tree_get(opt.opt_state, "gradient_step")``.
 
     Example: ``opt.update(grads, params)`` moves ``int(opt.step)`` from 0 to 1.
     """
