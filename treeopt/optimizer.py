@@ -12,8 +12,9 @@ from jax.tree_util import GetAttrKey
 
 from treeopt import _state_dict, _zero
 from treeopt import hyperparams as _hyperparams
+from treeopt._argument_order import refuse_swapped, swapped_after_mismatch, swapped_message
 from treeopt._extra_args import as_optax_extra_args
-from treeopt._paths import is_nnx_graph, is_nnx_object
+from treeopt._paths import is_nnx_graph
 from treeopt._trace_guard import (
     CAPTURED,
     concrete_or_eager_autodiff,
@@ -215,8 +216,14 @@ class Optimizer:
         """Applies one optimizer step: updates the state in place and returns new params.
 
         The gradients come first: ``params = opt.update(grads, params)``
-        (``nnx.Optimizer`` takes them the other way round; an nnx Module where
-        the gradients go is an error that says so).
+        (``nnx.Optimizer`` takes them the other way round). Swapped arguments
+        are an error where they can be told apart: an nnx Module where the
+        gradients go, or, where the trees do not match those seen at ``init``,
+        an nnx tree where the gradients go that is the params tree itself or
+        holds model state (``nnx.BatchStat``, RNG state). They cannot be told
+        apart where both have the same structure and leaf types: two
+        ``nnx.State``s of Params, two Modules of one class, two dicts. Such a
+        swapped call runs, taking the params for gradients.
 
         Args:
             grads: gradients shaped like the params given to ``init``, or any tree
@@ -267,14 +274,18 @@ class Optimizer:
                 "call opt.update(grads, params), or opt.update(grads, apply_updates=False) "
                 "to get the updates."
             )
-        if params is not None and is_nnx_graph(grads) and not is_nnx_graph(params):
-            raise TypeError(_swapped_message(grads, params))
-        flat_grads, rebuild_grads = layout.split_grads(grads)
+        refuse_swapped(grads, params)
+        try:
+            flat_grads, rebuild_grads = layout.split_grads(grads)
+        except ValueError:
+            if swapped_after_mismatch(grads, params, layout, grads_matched=False):
+                raise TypeError(swapped_message(grads, params)) from None
+            raise
         try:
             flat_params, merge_params = self._split_params(params)
         except ValueError:
-            if is_nnx_object(grads) and jax.tree.structure(grads) == layout.treedef:
-                raise TypeError(_swapped_message(grads, params)) from None
+            if swapped_after_mismatch(grads, params, layout, grads_matched=True):
+                raise TypeError(swapped_message(grads, params)) from None
             raise
         if extra_args:
             extra_args = as_optax_extra_args(extra_args, grads, params, layout, lookahead=self._lookahead)
@@ -508,24 +519,6 @@ class Optimizer:
         step = self.step
         step_text = "traced" if is_tracer(step) else str(jax.device_get(step))
         return f"Optimizer(tx={_tx_name(self.tx)}, step={step_text}, params={len(self._layout.names)})"
-
-
-def _swapped_message(grads: Any, params: Any) -> str:
-    def what(x: Any) -> str:
-        if is_nnx_graph(x):
-            return f"the nnx Module {type(x).__name__}"
-        if is_nnx_object(x):
-            return f"an nnx {type(x).__name__}"
-        return f"a {type(x).__name__}"
-
-    return (
-        "Optimizer.update takes the gradients first and the params second:\n"
-        "    params = opt.update(grads, params)\n"
-        "or, for an nnx Module (updated in place, as nnx.Optimizer does):\n"
-        "    opt.update(grads, model)\n"
-        f"It received {what(grads)} where the gradients go and {what(params)} where the params go: "
-        "that is nnx.Optimizer's order, optimizer.update(model, grads). Swap the two arguments."
-    )
 
 
 def _tx_name(tx: optax.GradientTransformation) -> str:
