@@ -47,12 +47,8 @@ __all__ = ["ModelAndOptimizer", "Optimizer"]
 M = TypeVar("M")
 
 _OWN = frozenset({"treeopt", "tx", "wrt", "graph", "model"})
-_apply_updates = jax.jit(optax.apply_updates)  # eager updates: one compiled program, not an op per leaf
-
-
-def _is_tracer(tree: Any) -> bool:
-    leaf = next(iter(jax.tree.leaves(tree)), None)
-    return isinstance(leaf, jax.core.Tracer)
+# One compiled program eagerly, not an op per leaf; inside a jit it is inlined (the same arithmetic).
+_apply_updates = jax.jit(optax.apply_updates)
 
 
 class Optimizer(nnx.Pytree, Generic[M]):
@@ -171,8 +167,7 @@ class Optimizer(nnx.Pytree, Generic[M]):
         grads = nnx.as_pure(nnx.state(grads, self.wrt, graph=self.graph))
         core = self.treeopt.get_value()
         updates = core.update(grads, params, apply_updates=False, **nnx.as_pure(kwargs))
-        apply = optax.apply_updates if _is_tracer(params) else _apply_updates
-        nnx.update(model, apply(params, updates))
+        nnx.update(model, _apply_updates(params, updates))
         self.treeopt.set_value(core)
         return updates
 
