@@ -233,6 +233,33 @@ def test_model_and_optimizer_keeps_the_model_and_updates_it(jit):
     assert_same_model(state.model, expected_state.model)
 
 
+def test_a_subclass_with_its_own_attributes_and_update():
+    """A train state built on ModelAndOptimizer: attributes set before ``super().__init__``, an
+    ``update`` of its own with keyword arguments."""
+
+    class WithLoss(treeopt.nnx.ModelAndOptimizer):
+        def __init__(self, model, tx):
+            self.mean_loss = nnx.metrics.Average()
+            super().__init__(model, tx)
+
+        def update(self, *, grads, loss):
+            self.mean_loss.update(values=loss)
+            return super().update(grads)
+
+    state = WithLoss(Net(), optax.sgd(0.05))
+
+    @nnx.jit
+    def train_step(state):
+        loss, grads = nnx.value_and_grad(loss_fn)(state.model)
+        state.update(grads=grads, loss=loss)
+
+    train_step(state)
+    first = float(state.mean_loss.compute())
+    for _ in range(3):
+        train_step(state)
+    assert float(state.mean_loss.compute()) < first and int(state.step[...]) == 4
+
+
 def test_an_optimizer_has_no_model_as_in_nnx():
     optimizer = treeopt.nnx.Optimizer(Net(), optax.sgd(0.1), wrt=nnx.Param)
     with pytest.raises(AttributeError, match=r"use treeopt\.nnx\.ModelAndOptimizer"):
@@ -306,6 +333,60 @@ def test_lbfgs_value_fn_gets_an_nnx_state_and_follows_nnx_optimizer():
     assert results[0] == results[1] and results[1][-1] < 0.5 * results[1][0]
     assert all(type(state) is nnx.State for state in seen)
     assert len({jax.tree.structure(state) for state in seen}) == 1
+
+
+def test_lbfgs_on_the_adapter_alone_with_the_rest_merged_back():
+    """wrt=LoRAParam and a value_fn that merges the adapter's state with everything else."""
+    results = {}
+    for optimizer_type in (nnx.Optimizer, treeopt.nnx.Optimizer):
+        model = Adapted()
+        optimizer = optimizer_type(model, optax.lbfgs(), wrt=nnx.LoRAParam)
+        graphdef, _, rest = nnx.split(model, nnx.LoRAParam, ...)
+        frozen = nnx.clone(nnx.state(model, nnx.Not(nnx.LoRAParam)))
+
+        def value_fn(adapter, graphdef=graphdef, rest=rest):
+            return jnp.mean((nnx.merge(graphdef, adapter, rest, copy=True)(X) - Y) ** 2)
+
+        grad_fn = nnx.grad(lambda m: jnp.mean((m(X) - Y) ** 2), argnums=nnx.DiffState(0, nnx.LoRAParam))
+        losses = []
+        for _ in range(3):
+            grads = grad_fn(model)
+            loss = jnp.mean((model(X) - Y) ** 2)
+            optimizer.update(model, grads, grad=grads, value=loss, value_fn=value_fn)
+            losses.append(float(loss))
+        assert_trees_equal(nnx.state(model, nnx.Not(nnx.LoRAParam)), frozen)
+        results[optimizer_type] = losses, nnx.state(model, nnx.LoRAParam)
+    (losses, adapter), (expected, expected_adapter) = results[treeopt.nnx.Optimizer], results[nnx.Optimizer]
+    np.testing.assert_allclose(losses, expected, rtol=1e-5)  # eager: rounding only
+    assert_trees_close(adapter, expected_adapter, rtol=1e-5, atol=1e-6)
+    assert losses[-1] < losses[0]
+
+
+def test_grads_of_a_split_state_update_the_model_it_came_from():
+    """Gradients taken with respect to ``nnx.split`` state (a functional loss) train the model."""
+    model = Adapted()
+    optimizer = treeopt.nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.LoRAParam)
+    graphdef, adapter, rest = nnx.split(model, nnx.LoRAParam, ...)
+
+    def loss_of(adapter, rest):
+        return jnp.mean((nnx.merge(graphdef, adapter, rest, copy=True)(X) - Y) ** 2)
+
+    before = nnx.clone(nnx.state(model))
+    first = float(loss_of(adapter, rest))
+    for _ in range(3):
+        optimizer.update(model, jax.grad(loss_of)(nnx.state(model, nnx.LoRAParam), rest))
+    assert float(loss_of(nnx.state(model, nnx.LoRAParam), rest)) < first
+    assert_trees_equal(nnx.state(model, nnx.Not(nnx.LoRAParam)), nnx.state(before, nnx.Not(nnx.LoRAParam)))
+
+
+def test_the_state_of_a_sharded_param_is_laid_out_like_it():
+    mesh = jax.make_mesh((2, 4), ("a", "b"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    kernel_init = nnx.with_partitioning(nnx.initializers.lecun_normal(), sharding=("a", "b"))
+    with jax.set_mesh(mesh):
+        model = nnx.Linear(4, 8, kernel_init=kernel_init, use_bias=False, rngs=nnx.Rngs(0))
+        optimizer = treeopt.nnx.Optimizer(model, optax.adamw(0.1), wrt=nnx.Param)
+    assert optimizer.opt_state[0].mu["kernel"].sharding.spec == P("a", "b")
+    assert optimizer.opt_state[0].nu["kernel"].sharding == model.kernel[...].sharding
 
 
 # -- treeopt's features come with it ------------------------------------------------------------
