@@ -137,15 +137,18 @@ def nnx_bn_mlp(n_blocks: int, width: int, seed: int = 0) -> Any:
     return Net(nnx.Rngs(seed, dropout=seed + 1))
 
 
-def nnx_optimizer_split_merge(model: Any, tx: optax.GradientTransformation) -> tuple[Callable[..., Any], Any]:
+def nnx_optimizer_split_merge(
+    model: Any, tx: optax.GradientTransformation, optimizer_type: Any = None
+) -> tuple[Callable[..., Any], Any]:
     """``(step, state)``: ``nnx.Optimizer`` over ``model``, split once, merged inside ``jax.jit`` (donated).
 
     ``step(state, x)`` returns ``(state, loss)``, the way an nnx user writes a
-    ``jax.jit`` loop with ``nnx.split`` / ``nnx.merge``.
+    ``jax.jit`` loop with ``nnx.split`` / ``nnx.merge``. ``optimizer_type``
+    replaces ``nnx.Optimizer`` (``treeopt.nnx.Optimizer``, its drop-in).
     """
     from flax import nnx
 
-    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    optimizer = (optimizer_type or nnx.Optimizer)(model, tx, wrt=nnx.Param)
     graphdef, state = nnx.split((model, optimizer))
 
     def split_merge_step(state: Any, x: jax.Array) -> Any:

@@ -12,7 +12,10 @@ written as an nnx user writes it:
   ``nnx.merge`` / ``nnx.state`` inside ``jax.jit``;
 * ``treeopt (nnx.jit)`` / ``nnx.Optimizer (nnx.jit)``: the Module through ``nnx.jit``;
 * ``treeopt (cached_partial)`` / ``nnx.Optimizer (cached_partial)``: ``nnx.jit``
-  with the Module (and ``nnx.Optimizer``) bound once by ``nnx.cached_partial``.
+  with the Module (and ``nnx.Optimizer``) bound once by ``nnx.cached_partial``;
+* ``treeopt.nnx (...)``: the drop-in ``treeopt.nnx.Optimizer`` in each of the
+  three nnx styles, with the very code of the ``nnx.Optimizer`` row of that
+  style and only the class swapped.
 
 Every variant donates its state. Each row also gives its time over the
 ``nnx.Optimizer`` row of the same jit style (``vs_nnx_optimizer``), and whether
@@ -39,6 +42,9 @@ COUNTERPART = {
     "treeopt (jax.jit, split)": "nnx.Optimizer (split/merge)",
     "treeopt (nnx.jit)": "nnx.Optimizer (nnx.jit)",
     "treeopt (cached_partial)": "nnx.Optimizer (cached_partial)",
+    "treeopt.nnx (split/merge)": "nnx.Optimizer (split/merge)",
+    "treeopt.nnx (nnx.jit)": "nnx.Optimizer (nnx.jit)",
+    "treeopt.nnx (cached_partial)": "nnx.Optimizer (cached_partial)",
 }
 
 
@@ -109,8 +115,22 @@ def make_treeopt_split(tx: optax.GradientTransformation, build: Callable[[], Any
     return Recorder(run)
 
 
-def make_nnx_split_merge(tx: optax.GradientTransformation, build: Callable[[], Any], x: jax.Array) -> Recorder:
-    jitted, state = models.nnx_optimizer_split_merge(build(), tx)
+def _nnx_type() -> Any:
+    from flax import nnx
+
+    return nnx.Optimizer
+
+
+def _dropin_type() -> Any:
+    import treeopt.nnx
+
+    return treeopt.nnx.Optimizer
+
+
+def make_nnx_split_merge(
+    tx: optax.GradientTransformation, build: Callable[[], Any], x: jax.Array, optimizer_type: Any = None
+) -> Recorder:
+    jitted, state = models.nnx_optimizer_split_merge(build(), tx, optimizer_type or _nnx_type())
     carry = [state]
 
     def run() -> Any:
@@ -156,11 +176,13 @@ def make_treeopt_nnx_jit(tx: optax.GradientTransformation, build: Callable[[], A
     return Recorder(run)
 
 
-def make_nnx_jit(tx: optax.GradientTransformation, build: Callable[[], Any], x: jax.Array) -> Recorder:
+def make_nnx_jit(
+    tx: optax.GradientTransformation, build: Callable[[], Any], x: jax.Array, optimizer_type: Any = None
+) -> Recorder:
     from flax import nnx
 
     model = build()
-    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    optimizer = (optimizer_type or _nnx_type())(model, tx, wrt=nnx.Param)
     step = _nnx_optimizer_step()
     return Recorder(lambda: step(model, optimizer, x))
 
@@ -179,11 +201,13 @@ def make_treeopt_cached(tx: optax.GradientTransformation, build: Callable[[], An
     return Recorder(run)
 
 
-def make_nnx_cached(tx: optax.GradientTransformation, build: Callable[[], Any], x: jax.Array) -> Recorder:
+def make_nnx_cached(
+    tx: optax.GradientTransformation, build: Callable[[], Any], x: jax.Array, optimizer_type: Any = None
+) -> Recorder:
     from flax import nnx
 
     model = build()
-    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    optimizer = (optimizer_type or _nnx_type())(model, tx, wrt=nnx.Param)
     step = nnx.cached_partial(_nnx_optimizer_step(), model, optimizer)
     return Recorder(lambda: step(x))
 
@@ -196,6 +220,9 @@ VARIANTS: dict[str, Callable[..., Recorder]] = {
     "nnx.Optimizer (nnx.jit)": make_nnx_jit,
     "treeopt (cached_partial)": make_treeopt_cached,
     "nnx.Optimizer (cached_partial)": make_nnx_cached,
+    "treeopt.nnx (split/merge)": lambda *a: make_nnx_split_merge(*a, optimizer_type=_dropin_type()),
+    "treeopt.nnx (nnx.jit)": lambda *a: make_nnx_jit(*a, optimizer_type=_dropin_type()),
+    "treeopt.nnx (cached_partial)": lambda *a: make_nnx_cached(*a, optimizer_type=_dropin_type()),
 }
 
 

@@ -26,6 +26,9 @@ CASE_VARIANTS = {
         "nnx.Optimizer (nnx.jit)",
         "treeopt (cached_partial)",
         "nnx.Optimizer (cached_partial)",
+        "treeopt.nnx (split/merge)",
+        "treeopt.nnx (nnx.jit)",
+        "treeopt.nnx (cached_partial)",
     },
     "zero": {"replicated state", "ZeRO over data"},
     "mixed_precision": {

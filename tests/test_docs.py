@@ -42,6 +42,7 @@ PUBLIC_MODULES = (
     "treeopt.typing",
     "treeopt.partitioning",
     "treeopt.t5x",
+    "treeopt.nnx",
 )
 
 RUNNABLE_PAGES = [

@@ -159,3 +159,80 @@ def test_lookahead_optimizer_needs_lookahead_params():
 def test_label_rules_that_miss_a_name():
     with pytest.raises(ValueError, match=re.escape("Parameter 'b' matches no label rule ['a*']")):
         treeopt.labels({"a*": "x"})({"a": 1.0, "b": 2.0})
+
+
+# -- a wrt that selects nothing ------------------------------------------------------------
+# Training would run, step would count, and nothing would learn: refused at init.
+
+
+def test_a_glob_that_matches_no_name_names_the_glob_and_the_names_there_are():
+    with pytest.raises(ValueError, match=r"wrt='enc/\*' selects no leaf") as err:
+        treeopt.Optimizer(optax.sgd(0.1), wrt="enc/*").init({"encoder": {"w": jnp.ones(2)}})
+    assert "'encoder/w' (float32[2])" in str(err.value)
+    assert "A glob matches whole names" in str(err.value)
+
+
+def test_a_variable_type_on_a_plain_dict_says_dicts_have_no_variable_types():
+    from flax import nnx
+
+    with pytest.raises(ValueError, match=r"wrt=Param selects no leaf of the dict") as err:
+        treeopt.Optimizer(optax.sgd(0.1), wrt=nnx.Param).init({"encoder": {"w": jnp.ones(2)}})
+    assert "a plain dict has no Variable types" in str(err.value)
+    with pytest.raises(ValueError, match=r"wrt=\(Param, BatchStat\) selects no leaf") as err:
+        treeopt.Optimizer(optax.sgd(0.1), wrt=(nnx.Param, nnx.BatchStat)).init({"w": jnp.ones(2)})
+    assert "no Variable types" in str(err.value)
+
+
+def test_nnx_filters_that_select_nothing_name_the_variables_there_are():
+    from flax import nnx
+
+    model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"PathContains\('typo'.*selects no leaf of the Linear") as err:
+        treeopt.Optimizer(optax.sgd(0.1), wrt=nnx.PathContains("typo")).init(model)
+    assert "'bias' (Param float32[3]), 'kernel' (Param float32[2, 3])" in str(err.value)
+    with pytest.raises(ValueError, match=r"wrt=BatchStat selects no leaf of the State") as err:
+        treeopt.Optimizer(optax.sgd(0.1), wrt=nnx.BatchStat).init(nnx.state(model, nnx.Param))
+    assert "no Variable types" not in str(err.value)  # a State has them; it holds no BatchStat
+
+
+def test_a_predicate_that_selects_nothing():
+    with pytest.raises(ValueError, match=r"wrt=<function .*selects no leaf of the dict.*'w' \(float32\[2\]\)"):
+        treeopt.Optimizer(optax.sgd(0.1), wrt=lambda name, leaf: False).init({"w": jnp.ones(2)})
+
+
+def test_params_without_a_float_leaf_are_refused_by_the_default_too():
+    """``jnp.array([1, 2])`` is int32: the default trains floats, so integer params train nothing."""
+    with pytest.raises(ValueError, match=r"wrt=None \(the default: floating-point arrays\) selects no leaf") as err:
+        treeopt.Optimizer(optax.sgd(0.1)).init({"w": jnp.array([1, 2]), "n": jnp.int32(3)})
+    assert "'n' (int32[]), 'w' (int32[2])" in str(err.value)
+    assert "create params as floats" in str(err.value)
+
+
+def test_an_nnx_module_without_params_is_refused_by_the_default():
+    from flax import nnx
+
+    class Stats(nnx.Module):
+        def __init__(self):
+            self.mean = nnx.BatchStat(jnp.zeros(2))
+
+    with pytest.raises(ValueError, match=r"of nnx Variables the nnx.Param\) selects no leaf") as err:
+        treeopt.Optimizer(optax.sgd(0.1)).init(Stats())
+    assert "'mean' (BatchStat float32[2])" in str(err.value)
+
+
+def test_an_empty_selection_lists_a_few_names_and_the_count():
+    params = {f"layer{i:02d}": jnp.int32(i) for i in range(12)}
+    with pytest.raises(ValueError, match=r"'layer07' \(int32\[\]\), \.\.\. \(12 leaves in all\)") as err:
+        treeopt.Optimizer(optax.sgd(0.1)).init(params)
+    assert "'layer08'" not in str(err.value)
+
+
+def test_params_with_no_leaves_at_all_are_accepted():
+    """Nothing to select from is not a wrong selection (an empty sub-model, a generic loop)."""
+    opt = treeopt.Optimizer(optax.sgd(0.1)).init({})
+    assert opt.paths == () and opt.update({}, {}) == {} and int(opt.step) == 1
+
+
+def test_a_selection_of_one_leaf_is_enough():
+    opt = treeopt.Optimizer(optax.sgd(0.1), wrt="encoder/*").init({"encoder": {"w": jnp.ones(2)}, "n": 1})
+    assert opt.paths == ("encoder/w",)

@@ -135,8 +135,8 @@ def test_value_fn_sees_params_in_the_structure_given_to_update():
     assert seen and all(jax.tree.structure(p) == jax.tree.structure(PARAMS) for p in seen)
 
 
-def test_value_fn_gets_untrained_leaves_and_a_module():
-    """An equinox-like tree with a frozen leaf and a Python field, and an nnx Module, reach value_fn whole."""
+def test_value_fn_gets_untrained_leaves():
+    """An equinox-like tree with a frozen leaf and a Python field reaches value_fn whole."""
     params = {"w": jnp.array([2.0, -1.0]), "frozen": jnp.array([0.5, 0.5]), "name": "toy", "n": jnp.int32(3)}
 
     def value_fn(p):
@@ -151,20 +151,68 @@ def test_value_fn_gets_untrained_leaves_and_a_module():
     np.testing.assert_allclose(np.asarray(params["w"]), [0.5, 0.5], atol=1e-5)
     np.testing.assert_array_equal(np.asarray(params["frozen"]), [0.5, 0.5])
 
-    model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
-    x = jnp.array([[1.0, 2.0], [-1.0, 0.5], [0.3, 0.3]])
-    y = jnp.array([[1.0], [0.0], [0.5]])
 
-    def model_loss(model):
-        assert isinstance(model, nnx.Linear)
-        return jnp.mean((model(x) - y) ** 2)
+class _TwoLayers(nnx.Module):
+    def __init__(self, rngs):
+        self.layers = nnx.List([nnx.Linear(2, 3, rngs=rngs), nnx.Linear(3, 1, rngs=rngs)])
+        self.calls = nnx.Variable(jnp.int32(0))  # not a Param: part of the rest value_fn merges with
 
-    opt = treeopt.Optimizer(optax.lbfgs()).init(model)
-    first = float(model_loss(model))
-    for _ in range(3):
-        value, grads = nnx.value_and_grad(model_loss)(model)  # a State, matched by name
-        opt.update(grads, model, value=value, grad=grads, value_fn=model_loss)
-    assert float(model_loss(model)) < 0.5 * first
+    def __call__(self, x):
+        return self.layers[1](jnp.tanh(self.layers[0](x)))
+
+
+_X = jnp.array([[1.0, 2.0], [-1.0, 0.5], [0.3, 0.3], [0.0, -1.0]])
+_Y = jnp.array([[1.0], [0.0], [0.5], [-0.5]])
+
+
+def _loss(model):
+    return jnp.mean((model(_X) - _Y) ** 2)
+
+
+def _lbfgs_losses(make_optimizer, nnx_order, jit, steps=4):
+    """L-BFGS on a fresh model; value_fn merges the state it gets with the model's graphdef and rest."""
+    model = _TwoLayers(nnx.Rngs(0))
+    opt = make_optimizer(model)
+    graphdef, _, rest = nnx.split(model, nnx.Param, ...)
+    seen = []
+
+    def value_fn(state):
+        seen.append(state)
+        return _loss(nnx.merge(graphdef, state, rest, copy=True))
+
+    def step(model, opt):
+        value, grads = nnx.value_and_grad(_loss)(model)
+        if nnx_order:
+            opt.update(model, grads, value=value, grad=grads, value_fn=value_fn)
+        else:
+            opt.update(grads, model, value=value, grad=grads, value_fn=value_fn)
+        return value, opt  # a treeopt.Optimizer is a pytree: returned from the step
+
+    step = nnx.jit(step) if jit else step
+    losses = []
+    for _ in range(steps):
+        value, opt = step(model, opt)
+        losses.append(float(value))
+    return losses, seen, model
+
+
+@pytest.mark.parametrize("jit", [True, False], ids=["nnx.jit", "eager"])
+def test_value_fn_of_a_module_gets_an_nnx_state_as_nnx_optimizer_gives_it(jit):
+    """For an nnx Module, value_fn(state) gets an ``nnx.State`` of the trained values, keyed and
+    shaped as ``nnx.as_pure(nnx.state(model, nnx.Param))``: L-BFGS then follows nnx.Optimizer's."""
+    losses, seen, model = _lbfgs_losses(lambda m: treeopt.Optimizer(optax.lbfgs()).init(m), False, jit)
+    nnx_losses, nnx_seen, reference = _lbfgs_losses(
+        lambda m: nnx.Optimizer(m, optax.lbfgs(), wrt=nnx.Param), True, jit
+    )
+    pure = nnx.as_pure(nnx.state(reference, nnx.Param))
+    assert seen and all(type(s) is nnx.State for s in seen)
+    assert all(jax.tree.structure(s) == jax.tree.structure(pure) for s in seen + nnx_seen)
+    assert losses[-1] < 0.5 * losses[0]
+    if jit:  # the same program: bit for bit
+        assert losses == nnx_losses
+        assert_trees_equal(nnx.as_pure(nnx.state(model, nnx.Param)), pure)
+    else:
+        np.testing.assert_allclose(losses, nnx_losses, **EAGER_TOL)
 
 
 def test_grad_shaped_like_params_is_matched_by_name():

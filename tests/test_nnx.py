@@ -18,6 +18,9 @@ from flax import nnx
 
 import treeopt
 import treeopt.serialization
+from treeopt.errors import TreeMismatchError
+
+from _helpers import assert_trees_equal
 
 STEPS = 100
 RESUME_AT = 50
@@ -163,7 +166,7 @@ def test_nnx_order_with_the_whole_state_is_an_error_showing_the_right_order():
     model = new_net()
     opt = treeopt.Optimizer(TX).init(nnx.state(model))  # every Variable; Params trained
     grads = nnx.grad(loss_fn)(model, X, Y)  # the Params only
-    with pytest.raises(TypeError, match=r"an nnx State where the gradients go"):
+    with pytest.raises(TypeError, match=r"an nnx State holding model state \(batch statistics, RNG state\) where"):
         opt.update(nnx.state(model), grads)
     assert int(opt.step) == 0
 
@@ -180,6 +183,38 @@ def test_nnx_order_is_refused_inside_nnx_jit_too():
 
     with pytest.raises(TypeError, match="Swap the two arguments"):
         wrong(model, opt)
+
+
+def test_nnx_order_with_model_state_where_the_gradients_go_is_an_error():
+    """init on the Params; update(nnx.state(model), grads): batch statistics and RNG state where the
+    gradients go, and none where the params go."""
+    model = new_net()
+    _, params, _ = nnx.split(model, nnx.Param, ...)
+    opt = treeopt.Optimizer(TX).init(params)
+    grads = nnx.grad(loss_fn)(model, X, Y)
+    with pytest.raises(TypeError, match=r"an nnx State holding model state .* where the gradients go"):
+        opt.update(nnx.state(model), grads)
+    assert int(opt.step) == 0
+
+
+def test_gradients_of_batch_statistics_that_do_not_match_are_a_mismatch_not_a_swap():
+    """wrt=(Param, BatchStat): gradients may hold BatchStats; a wrong one is reported as what it is."""
+    model = new_net()
+    opt = treeopt.Optimizer(TX, wrt=(nnx.Param, nnx.BatchStat)).init(model)
+    grads = nnx.grad(loss_fn, argnums=nnx.DiffState(0, (nnx.Param, nnx.BatchStat)))(model, X, Y)
+    del grads["bn"]["mean"]
+    with pytest.raises(TreeMismatchError, match="missing \\(1\\):\n  bn/mean"):
+        opt.update(grads, model)
+
+
+def test_the_limit_same_structure_and_types_cannot_be_told_apart():
+    """Two States of Params: a swapped call runs and takes the params for gradients (documented)."""
+    model = new_net()
+    _, params, _ = nnx.split(model, nnx.Param, ...)
+    grads = nnx.grad(loss_fn)(model, X, Y)
+    swapped = treeopt.Optimizer(optax.sgd(0.1)).init(params).update(params, grads)
+    as_if = treeopt.Optimizer(optax.sgd(0.1)).init(params).update(grads=params, params=grads)
+    assert_trees_equal(swapped, as_if)
 
 
 def test_module_shaped_gradients_are_gradients():
@@ -238,22 +273,28 @@ def test_a_module_in_eval_mode_is_still_the_module_given_to_init():
     assert int(opt.step) == 2
 
 
-def test_value_fn_gets_the_module_as_it_is_now():
-    """L-BFGS on a Module put in eval mode after init: value_fn sees it in eval mode."""
+def test_value_fn_gets_the_trained_values_of_a_module_in_eval_mode():
+    """L-BFGS on a Module put in eval mode after init: value_fn gets an nnx.State of the Params, as
+    nnx.Optimizer gives it, and evaluates it with the graphdef of the model as it is now."""
     model = new_net()
     opt = treeopt.Optimizer(optax.lbfgs()).init(model)
     model.eval()
-    modes = []
+    graphdef, _, rest = nnx.split(model, nnx.Param, ...)
+    seen = []
 
-    def objective(model):
-        modes.append(model.drop.deterministic and model.bn.use_running_average)
+    def objective(state):
+        seen.append(sorted(nnx.to_flat_state(state).paths))
+        model = nnx.merge(graphdef, state, rest, copy=True)
+        assert model.drop.deterministic and model.bn.use_running_average
         return loss_fn(model, X, Y)
 
-    first = float(objective(model))
+    first = float(loss_fn(model, X, Y))
     for _ in range(3):
-        value, grads = nnx.value_and_grad(objective)(model)
+        value, grads = nnx.value_and_grad(loss_fn)(model, X, Y)
         opt.update(grads, model, value=value, grad=grads, value_fn=objective)
-    assert all(modes) and float(objective(model)) < first
+    expected = [tuple(path.split("/")) for path in PARAM_PATHS]
+    assert seen and all(paths == expected for paths in seen)
+    assert float(loss_fn(model, X, Y)) < first
 
 
 # -- training loops: nnx.Optimizer's losses, bit for bit, across a checkpoint --------------

@@ -31,6 +31,7 @@ __all__ = [
     "leaf_names",
     "mask",
     "name_matcher",
+    "nnx",
     "partitioning",
     "serialization",
     "set_hyperparams",
@@ -39,3 +40,12 @@ __all__ = [
 ]
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> object:
+    # treeopt.nnx imports flax.nnx: loaded on first use, so `import treeopt` does not import nnx.
+    if name == "nnx":
+        import importlib
+
+        return importlib.import_module("treeopt.nnx")
+    raise AttributeError(f"module 'treeopt' has no attribute '{name}'")

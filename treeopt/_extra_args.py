@@ -2,7 +2,9 @@
 
 optax sees the flat ``{name: param}`` dict, so a tree shaped like the params
 is flattened by name like the grads, and a function of params is wrapped to
-be called with params rebuilt in the structure the user gave ``update``.
+be called with params rebuilt in the structure the user gave ``update``; for
+an nnx Module, with an ``nnx.State`` of the trained values, as
+``nnx.Optimizer`` calls it.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from treeopt._paths import is_nnx_graph, leaf_infos, leaf_names
 from treeopt.layout import ParamLayout
 from treeopt.step import ARRAYS
 
@@ -25,7 +28,8 @@ def as_optax_extra_args(
     """The extra arguments of ``tx.update`` as optax must see them, from the user's structure.
 
     Functions of params (``value_fn``) are wrapped to receive params in the
-    structure given to ``update``; trees shaped like params or grads
+    structure given to ``update`` (for an nnx Module, an ``nnx.State`` of the
+    trained values: :func:`trained_state`); trees shaped like params or grads
     (``grad=``) become flat dicts by name, like the grads. With
     ``optax.LookaheadParams`` they are passed as given.
 
@@ -64,15 +68,37 @@ def _shaped_like_params(key: str, value: Any, layout: ParamLayout, structures: s
     return True
 
 
+def trained_state(module: Any, layout: ParamLayout) -> Any:
+    """An ``nnx.State`` of the trained values of an nnx Module, keyed by nnx path: what ``value_fn`` gets.
+
+    The values are arrays, not ``Variable``s, as ``nnx.Optimizer`` hands
+    ``value_fn`` ``nnx.as_pure(nnx.state(model, wrt))``: merge it with the
+    rest of the model (``nnx.merge(graphdef, state, rest)``) to evaluate it.
+
+    Example:
+        >>> from flax import nnx
+        >>> model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+        >>> state = trained_state(model, ParamLayout.of(model))
+        >>> type(state).__name__, sorted(state), state["bias"]
+        ('State', ['bias', 'kernel'], Array([0.], dtype=float32))
+    """
+    import flax.nnx as nnx  # params are an nnx Module: nnx is imported
+
+    leaves, treedef = jax.tree.flatten(module)
+    infos = leaf_infos(module)
+    index = layout.trained_positions(module, treedef)
+    return nnx.from_flat_state([(infos[i].path, leaves[i]) for i in index])
+
+
 class _InUserStructure:
     """A function of params that optax calls with the flat named params; it gets them as the user gave them.
 
     A pytree: the params' untrained array leaves are its children (traced
     inputs of a compiled step); the function, the params' structure, the
     positions of the trained leaves and the other leaves are its static data.
-    So ``value_fn`` of ``optax.lbfgs`` sees a nested dict, an nnx Module or an
-    equinox module, and eagerly it is part of the compile key, never a traced
-    argument.
+    So ``value_fn`` of ``optax.lbfgs`` sees a nested dict or an equinox
+    module (an nnx Module: an ``nnx.State`` of its trained values), and
+    eagerly it is part of the compile key, never a traced argument.
     """
 
     __slots__ = ("arrays", "fixed", "fn", "index", "names", "treedef")
@@ -91,6 +117,13 @@ class _InUserStructure:
 
     @classmethod
     def wrap(cls, fn: Callable[..., Any], layout: ParamLayout, params: Any) -> _InUserStructure:
+        if is_nnx_graph(params):  # an nnx Module: value_fn gets an nnx.State, as nnx.Optimizer gives it
+            state = trained_state(params, layout)
+            names = leaf_names(state)
+            at = {name: i for i, name in enumerate(names)}
+            none = (None,) * len(names)
+            treedef = jax.tree.structure(state)
+            return cls(fn, treedef, layout.names, tuple(at[name] for name in layout.names), none, ())
         leaves, treedef = jax.tree.flatten(params)
         index = layout.trained_positions(params, treedef)
         trained = set(index)

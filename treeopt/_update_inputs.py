@@ -5,7 +5,8 @@ step (:func:`treeopt.step.flat_step`) takes: ``{name: grad}``, ``{name:
 param}`` and the extra arguments, and a function that turns the step's flat
 output into params (or updates) of the structure and type the caller gave
 (an nnx Module updated in place). Arguments given in ``nnx.Optimizer``'s
-order, the model first, are an error that says so.
+order, the model first, are an error that says so, where
+:mod:`treeopt._argument_order` can tell.
 """
 
 from __future__ import annotations
@@ -13,11 +14,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-import jax
 import optax
 
+from treeopt._argument_order import refuse_swapped, swapped_after_mismatch, swapped_message
 from treeopt._extra_args import as_optax_extra_args
-from treeopt._paths import is_nnx_graph, is_nnx_object
+from treeopt._paths import is_nnx_graph
 from treeopt._trace_guard import is_tracer, refuse_capture, refuse_foreign_trace
 from treeopt.layout import ParamLayout, is_lookahead
 
@@ -47,13 +48,17 @@ def flat_inputs(
             "call opt.update(grads, params), or opt.update(grads, apply_updates=False) "
             "to get the updates."
         )
-    if params is not None and is_nnx_graph(grads) and not is_nnx_graph(params):
-        raise TypeError(swapped_message(grads, params))
-    flat_grads, rebuild_grads = layout.split_grads(grads)
+    refuse_swapped(grads, params)
+    try:
+        flat_grads, rebuild_grads = layout.split_grads(grads)
+    except ValueError:
+        if swapped_after_mismatch(grads, params, layout, grads_matched=False):
+            raise TypeError(swapped_message(grads, params)) from None
+        raise
     try:
         flat_params, merge_params = split_params(layout, lookahead, params)
     except ValueError:
-        if is_nnx_object(grads) and jax.tree.structure(grads) == layout.treedef:
+        if swapped_after_mismatch(grads, params, layout, grads_matched=True):
             raise TypeError(swapped_message(grads, params)) from None
         raise
     if extra_args:
@@ -93,23 +98,3 @@ def split_params(layout: ParamLayout, lookahead: bool, params: Any) -> tuple[Any
         return optax.LookaheadParams(rebuild_fast(flat.fast), rebuild_slow(flat.slow))
 
     return optax.LookaheadParams(fast, slow), merge
-
-
-def swapped_message(grads: Any, params: Any) -> str:
-    """The error for ``update`` called in ``nnx.Optimizer``'s order, the model where the grads go."""
-
-    def what(x: Any) -> str:
-        if is_nnx_graph(x):
-            return f"the nnx Module {type(x).__name__}"
-        if is_nnx_object(x):
-            return f"an nnx {type(x).__name__}"
-        return f"a {type(x).__name__}"
-
-    return (
-        "Optimizer.update takes the gradients first and the params second:\n"
-        "    params = opt.update(grads, params)\n"
-        "or, for an nnx Module (updated in place, as nnx.Optimizer does):\n"
-        "    opt.update(grads, model)\n"
-        f"It received {what(grads)} where the gradients go and {what(params)} where the params go: "
-        "that is nnx.Optimizer's order, optimizer.update(model, grads). Swap the two arguments."
-    )

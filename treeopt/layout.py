@@ -227,7 +227,9 @@ class ParamLayout:
         ``wrt=None`` selects the floating-point array leaves, except those held by
         an nnx ``Variable`` other than ``nnx.Param`` (so an nnx Module or State
         trains its ``nnx.Param`` only, as ``nnx.Optimizer(wrt=nnx.Param)``). See
-        :class:`treeopt.Optimizer` for the other forms of ``wrt``.
+        :class:`treeopt.Optimizer` for the other forms of ``wrt``. Params with
+        leaves of which ``wrt`` (the default included) selects none are an error:
+        nothing would train. Params with no leaves at all are accepted.
 
         Example:
             >>> import jax.numpy as jnp
@@ -248,6 +250,8 @@ class ParamLayout:
                     f"wrt selected parameter '{names[i]}', which is a "
                     f"{type(leaves[i]).__name__}, not an array."
                 )
+        if not index and leaves:
+            raise ValueError(_empty_selection_message(wrt, params, infos, leaves))
         avals = tuple((tuple(leaves[i].shape), np.dtype(leaves[i].dtype)) for i in index)
         slots = _variable_slots(infos, index)
         return cls(treedef, index, tuple(names[i] for i in index), avals, tuple(names), slots)
@@ -452,6 +456,56 @@ class ParamLayout:
         raise TreeMismatchError.between(
             f"{what} {_NOT_INITIALIZED_WITH}", missing=missing, unexpected=unexpected, hint=hint
         )
+
+
+_SHOWN = 8  # names an empty-selection error lists
+
+
+def _selects_by_variable_type(wrt: Wrt) -> bool:
+    """Whether ``wrt`` is, or lists, a class: an nnx Variable type such as ``nnx.Param``."""
+    if isinstance(wrt, (tuple, list)):
+        return any(_selects_by_variable_type(w) for w in wrt)
+    return isinstance(wrt, type)
+
+
+def _wrt_text(wrt: Wrt) -> str:
+    """``wrt`` as an error message writes it: a class by its name (``Param``), the rest by ``repr``."""
+    if isinstance(wrt, type):
+        return wrt.__name__
+    if isinstance(wrt, (tuple, list)):
+        inner = ", ".join(_wrt_text(w) for w in wrt)
+        return f"[{inner}]" if isinstance(wrt, list) else f"({inner}{',' if len(wrt) == 1 else ''})"
+    return repr(wrt)
+
+
+def _empty_selection_message(wrt: Wrt, params: Any, infos: list[LeafInfo], leaves: list[Any]) -> str:
+    """Why nothing is trained: the ``wrt``, a few of the leaves there are, and a hint for the likely slip."""
+    shown = [
+        f"'{info.name}' ({'' if info.variable is None else type(info.variable).__name__ + ' '}{describe(leaf)})"
+        for info, leaf in zip(infos[:_SHOWN], leaves, strict=False)
+    ]
+    more = f", ... ({len(infos)} leaves in all)" if len(infos) > _SHOWN else ""
+    has_variables = any(info.variable is not None for info in infos)
+    if wrt is None:
+        what = "wrt=None (the default: floating-point arrays"
+        what += ", of nnx Variables the nnx.Param)" if has_variables else ")"
+    else:
+        what = f"wrt={_wrt_text(wrt)}"
+    message = (
+        f"{what} selects no leaf of the {type(params).__name__} given to init: nothing would train. "
+        f"Its leaves: {', '.join(shown)}{more}."
+    )
+    if wrt is not None and _selects_by_variable_type(wrt) and not has_variables:
+        message += (
+            f"\nwrt selects nnx Variables by type, but a plain {type(params).__name__} has no Variable "
+            "types (only an nnx Module or nnx.State holds nnx.Param, nnx.BatchStat, ...): pass the Module "
+            "or its nnx.state, or select by name with a glob (wrt='encoder/*')."
+        )
+    elif isinstance(wrt, str) or (isinstance(wrt, (tuple, list)) and any(isinstance(w, str) for w in wrt)):
+        message += "\nA glob matches whole names, '/'-separated as listed: 'encoder/*', '*kernel'."
+    elif wrt is None and not any(is_float_array(leaf) for leaf in leaves):
+        message += "\nNo leaf is a floating-point array: create params as floats (jnp.array([1.0, 2.0]))."
+    return message
 
 
 def _set_variable(variable: Any, value: Any) -> None:

@@ -128,10 +128,15 @@ class Optimizer:
     wrt: Wrt
     """Which leaves are trained, as given to the constructor (static)."""
     step: jax.Array | None
-    """The number of updates applied so far: an int32 scalar array (a leaf), ``None`` before ``init``.
+    """The number of ``update`` calls so far: an int32 scalar array (a leaf), ``None`` before ``init``.
 
     Save a checkpoint after the update under ``int(opt.step)``: it then holds
     the state after that many updates.
+
+    It counts calls, whatever ``tx`` makes of them: under ``optax.MultiSteps``
+    (gradient accumulation) most calls only accumulate, and the number of
+    updates applied to the params is ``gradient_step`` in the optax state, read
+    by name: ``optax.tree_utils.tree_get(opt.opt_state, "gradient_step")``.
 
     Example: ``opt.update(grads, params)`` moves ``int(opt.step)`` from 0 to 1.
     """
@@ -262,8 +267,10 @@ class Optimizer:
         """Applies one optimizer step: updates the state in place and returns new params.
 
         The gradients come first: ``params = opt.update(grads, params)``
-        (``nnx.Optimizer`` takes them the other way round; an nnx Module where
-        the gradients go is an error that says so).
+        (``nnx.Optimizer`` takes them the other way round). Swapped arguments
+        are an error where they can be told apart (an nnx Module, or model state
+        such as ``nnx.BatchStat``, where the gradients go), not where both have
+        the same structure and leaf types (two States of Params, two dicts).
 
         Args:
             grads: gradients shaped like the params given to ``init``, or any tree
@@ -280,9 +287,10 @@ class Optimizer:
                 params the default returns.
             **extra_args: passed to ``tx.update`` (``value=loss`` for
                 ``optax.contrib.reduce_on_plateau``; ``value``, ``grad`` and
-                ``value_fn`` for ``optax.lbfgs``). A function (``value_fn``) is
-                called with params in the structure given here; a tree shaped like
-                params or grads (``grad``) is matched by name like ``grads``.
+                ``value_fn`` for ``optax.lbfgs``). ``value_fn`` is called with
+                params in the structure given here (for an nnx Module, an
+                ``nnx.State`` of the trained values, as ``nnx.Optimizer`` calls
+                it); a tree like params or grads (``grad``) is matched by name.
 
         Returns:
             New params of the same type and structure as ``params``, or the updates.

@@ -1,0 +1,373 @@
+"""A drop-in for ``flax.nnx.Optimizer`` and ``nnx.ModelAndOptimizer``, on :class:`treeopt.Optimizer`.
+
+Swap the name and nothing else changes::
+
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)          # before
+    optimizer = treeopt.nnx.Optimizer(model, tx, wrt=nnx.Param)  # after
+
+The constructor, ``update(model, grads, **kwargs)`` (the model updated in
+place, the updates returned), ``step``, ``opt_state``, ``nnx.jit``,
+``nnx.split`` / ``nnx.merge``, ``nnx.state`` and ``nnx.cached_partial`` work
+as with nnx. The optimizer is an nnx ``Pytree`` holding one
+:class:`treeopt.Optimizer` in an ``nnx.OptState`` variable, ``treeopt``; it
+has no optimizer logic of its own, so treeopt's features come with it:
+``opt.learning_rate = x`` with no recompilation, ``state_dict()`` keyed by
+parameter name, ``partition_specs`` (ZeRO-1 with ``shard_state_over=``), and
+checkpoints through :mod:`treeopt.serialization`.
+
+Example:
+    >>> import jax.numpy as jnp, optax, treeopt.nnx
+    >>> from flax import nnx
+    >>> model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+    >>> optimizer = treeopt.nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+    >>> @nnx.jit
+    ... def train_step(model, optimizer, x, y):
+    ...     loss, grads = nnx.value_and_grad(lambda m: jnp.mean((m(x) - y) ** 2))(model)
+    ...     optimizer.update(model, grads)
+    ...     return loss
+    >>> losses = [float(train_step(model, optimizer, jnp.ones((4, 2)), jnp.zeros((4, 1)))) for _ in range(3)]
+    >>> losses[2] < losses[0], int(optimizer.step[...]), optimizer.treeopt.get_value().paths
+    (True, 3, ('bias', 'kernel'))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Generic, TypeVar
+
+import jax
+import optax
+from flax import nnx
+
+import treeopt
+from treeopt.typing import OptState, ParamSpecs, StateDict, Updates
+
+__all__ = ["ModelAndOptimizer", "Optimizer"]
+
+M = TypeVar("M")
+
+_OWN = frozenset({"treeopt", "tx", "wrt", "graph", "model"})
+# One compiled program eagerly, not an op per leaf; inside a jit it is inlined (the same arithmetic).
+_apply_updates = jax.jit(optax.apply_updates)
+
+
+class Optimizer(nnx.Pytree, Generic[M]):
+    """``nnx.Optimizer(model, tx, wrt=...)`` on a :class:`treeopt.Optimizer`: same constructor, same ``update``.
+
+    The state is ``treeopt``, an ``nnx.OptState`` variable whose value is the
+    :class:`treeopt.Optimizer` trained on ``nnx.state(model, wrt)``: read it
+    with ``optimizer.treeopt.get_value()`` and replace it (a restored
+    checkpoint, a sharded copy) with ``optimizer.treeopt.set_value(...)``.
+
+    Args:
+        model: the nnx Module whose ``wrt`` variables are trained.
+        tx: the optax transformation.
+        wrt: an nnx filter (``nnx.Param``, ``(nnx.Param, nnx.LoRAParam)``,
+            ``nnx.PathContains(...)``, ...), read as nnx reads it; required, as
+            in nnx. It must select at least one variable of ``model``.
+        graph: as ``nnx.Optimizer``'s: graph mode (``True``), tree mode
+            (``False``), or the current ``nnx.set_graph_mode`` (``None``).
+        **kwargs: passed to :class:`treeopt.Optimizer` (its options beyond ``tx``).
+
+    Example:
+        >>> import jax.numpy as jnp, optax, treeopt.nnx
+        >>> from flax import nnx
+        >>> model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+        >>> tx = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1)
+        >>> optimizer = treeopt.nnx.Optimizer(model, tx, wrt=nnx.Param)
+        >>> grads = nnx.grad(lambda m: m(jnp.ones((1, 2))).sum())(model)
+        >>> updates = optimizer.update(model, grads)    # model updated in place
+        >>> updates["bias"], model.bias[...]
+        (Array([-0.1], dtype=float32), Array([-0.1], dtype=float32))
+        >>> optimizer.learning_rate = 0.01              # no recompilation
+        >>> sorted(optimizer.state_dict()["opt_state"]["hyperparams"])
+        ['learning_rate']
+    """
+
+    def __init__(
+        self,
+        model: M,
+        tx: optax.GradientTransformation,
+        *,
+        wrt: Any,
+        graph: bool | None = None,
+        **kwargs: Any,
+    ):
+        params = nnx.as_pure(nnx.state(model, wrt, graph=graph))
+        if not jax.tree.leaves(params):
+            raise ValueError(_empty_selection_message(model, wrt, graph))
+        self.tx = tx
+        self.wrt = wrt
+        self.graph = graph
+        self.treeopt = nnx.OptState(treeopt.Optimizer(tx, **kwargs).init(params))
+
+    # -- what nnx.Optimizer has ------------------------------------------------------
+
+    @property
+    def step(self) -> nnx.OptState:
+        """The number of updates applied, as an ``nnx.OptState`` variable (read it with ``step[...]``).
+
+        A snapshot of the treeopt optimizer's ``step`` (int32; ``nnx.Optimizer``'s is
+        uint32): setting it changes nothing.
+
+        Example:
+            >>> import jax.numpy as jnp, optax, treeopt.nnx
+            >>> from flax import nnx
+            >>> model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+            >>> optimizer = treeopt.nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+            >>> _ = optimizer.update(model, nnx.grad(lambda m: m(jnp.ones((1, 2))).sum())(model))
+            >>> int(optimizer.step[...])
+            1
+        """
+        return nnx.OptState(self._core().step)
+
+    @property
+    def opt_state(self) -> OptState:
+        """The optax state, over the flat ``{name: param}`` dict (``opt_state[0].mu["kernel"]`` for adam).
+
+        Example:
+            >>> import optax, treeopt.nnx
+            >>> from flax import nnx
+            >>> model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+            >>> optimizer = treeopt.nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+            >>> optimizer.opt_state[0].mu["kernel"].shape
+            (2, 1)
+        """
+        return self._core().opt_state
+
+    def update(self, model: M, grads: Any, /, **kwargs: Any) -> Updates:
+        """One step: updates ``model``'s ``wrt`` variables in place and returns the updates.
+
+        As ``nnx.Optimizer.update``: ``grads`` (from ``nnx.grad``, or a State
+        shaped like ``nnx.state(model, wrt)``) are filtered by ``wrt``; keyword
+        arguments go to ``tx.update`` (``value``, ``grad``, ``value_fn`` for
+        line searches), and a ``value_fn`` is called with an ``nnx.State`` of
+        the trained values, as nnx calls it.
+
+        Returns:
+            The updates, an ``nnx.State`` of arrays shaped like ``nnx.state(model, wrt)``.
+
+        Example:
+            >>> import jax.numpy as jnp, optax, treeopt.nnx
+            >>> from flax import nnx
+            >>> model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+            >>> optimizer = treeopt.nnx.Optimizer(model, optax.sgd(0.5), wrt=nnx.Param)
+            >>> grads = nnx.grad(lambda m: m(jnp.ones((1, 2))).sum())(model)
+            >>> optimizer.update(model, grads)["kernel"]
+            Array([[-0.5],
+                   [-0.5]], dtype=float32)
+        """
+        if isinstance(grads, nnx.Pytree) and not isinstance(model, nnx.Pytree):
+            raise TypeError(
+                "update takes the model first and the gradients second, as nnx.Optimizer does: "
+                f"optimizer.update(model, grads); got {type(model).__name__} where the model goes and the "
+                f"nnx Module {type(grads).__name__} where the gradients go."
+            )
+        params = nnx.as_pure(nnx.state(model, self.wrt, graph=self.graph))
+        grads = nnx.as_pure(nnx.state(grads, self.wrt, graph=self.graph))
+        core = self.treeopt.get_value()
+        updates = core.update(grads, params, apply_updates=False, **nnx.as_pure(kwargs))
+        nnx.update(model, _apply_updates(params, updates))
+        self.treeopt.set_value(core)
+        return updates
+
+    # -- what treeopt adds -----------------------------------------------------------
+
+    @property
+    def paths(self) -> tuple[str, ...]:
+        """Names of the trained variables, e.g. ``("linear1/kernel", ...)``: the keys of the state.
+
+        Example:
+            >>> import optax, treeopt.nnx
+            >>> from flax import nnx
+            >>> model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+            >>> treeopt.nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param).paths
+            ('bias', 'kernel')
+        """
+        return self._core().paths
+
+    @property
+    def hyperparams(self) -> dict[str, Any]:
+        """The injected hyperparameters (``optax.inject_hyperparams``) by name.
+
+        Example:
+            >>> import optax, treeopt.nnx
+            >>> from flax import nnx
+            >>> tx = optax.inject_hyperparams(optax.adam)(learning_rate=0.1)
+            >>> optimizer = treeopt.nnx.Optimizer(nnx.Linear(2, 1, rngs=nnx.Rngs(0)), tx, wrt=nnx.Param)
+            >>> round(float(optimizer.hyperparams["learning_rate"]), 6)
+            0.1
+        """
+        return self._core().hyperparams
+
+    def set_hyperparams(self, values: Mapping[str, Any] | None = None, **kwargs: Any) -> None:
+        """Sets injected hyperparameters in place (``optimizer.learning_rate = x`` does the same).
+
+        Example:
+            >>> import optax, treeopt.nnx
+            >>> from flax import nnx
+            >>> tx = optax.inject_hyperparams(optax.adam)(learning_rate=0.1)
+            >>> optimizer = treeopt.nnx.Optimizer(nnx.Linear(2, 1, rngs=nnx.Rngs(0)), tx, wrt=nnx.Param)
+            >>> optimizer.set_hyperparams(learning_rate=0.05, b1=0.8)
+            >>> round(float(optimizer.b1), 3)
+            0.8
+        """
+        core = self.treeopt.get_value()
+        core.set_hyperparams(values, **kwargs)
+        self.treeopt.set_value(core)
+
+    def state_dict(self) -> StateDict:
+        """The state as nested plain dicts keyed by parameter name (:meth:`treeopt.Optimizer.state_dict`).
+
+        Example:
+            >>> import optax, treeopt.nnx
+            >>> from flax import nnx
+            >>> optimizer = treeopt.nnx.Optimizer(nnx.Linear(2, 1, rngs=nnx.Rngs(0)), optax.adam(1e-3), wrt=nnx.Param)
+            >>> sorted(optimizer.state_dict()["opt_state"]["0"]["mu"])
+            ['bias', 'kernel']
+        """
+        return self._core().state_dict()
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> None:
+        """Loads ``state_dict`` in place, matched by name (:meth:`treeopt.Optimizer.load_state_dict`).
+
+        Example:
+            >>> import jax.numpy as jnp, optax, treeopt.nnx
+            >>> from flax import nnx
+            >>> model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+            >>> trained = treeopt.nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+            >>> _ = trained.update(model, nnx.grad(lambda m: m(jnp.ones((1, 2))).sum())(model))
+            >>> fresh = treeopt.nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+            >>> fresh.load_state_dict(trained.state_dict())
+            >>> int(fresh.step[...])
+            1
+        """
+        self.treeopt.set_value(self._core().load_state_dict(state_dict, strict=strict))
+
+    def partition_specs(
+        self,
+        param_specs: ParamSpecs,
+        *,
+        shard_state_over: str | Sequence[str] | None = None,
+        mesh: jax.sharding.Mesh | None = None,
+    ) -> treeopt.Optimizer:
+        """A ``PartitionSpec`` for every leaf of ``optimizer.treeopt``'s value (:meth:`treeopt.Optimizer.partition_specs`).
+
+        ``param_specs`` is a tree of specs by name, such as
+        ``nnx.get_partition_spec(nnx.state(model))``; variables outside ``wrt``
+        are ignored. Place the state with
+        ``optimizer.treeopt.set_value(jax.device_put(optimizer.treeopt.get_value(),
+        treeopt.partitioning.named_shardings(specs, mesh)))``.
+
+        Example:
+            >>> import optax, treeopt.nnx
+            >>> from flax import nnx
+            >>> from jax.sharding import PartitionSpec as P
+            >>> model = nnx.Linear(2, 4, rngs=nnx.Rngs(0))
+            >>> optimizer = treeopt.nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+            >>> specs = optimizer.partition_specs({"kernel": P(None, "model"), "bias": P("model")})
+            >>> specs.opt_state[0].mu["kernel"]
+            P(None, 'model')
+        """
+        if isinstance(param_specs, nnx.State) and _holds_variables(param_specs):
+            param_specs = nnx.as_pure(nnx.filter_state(param_specs, self.wrt))
+        return self._core().partition_specs(param_specs, shard_state_over=shard_state_over, mesh=mesh)
+
+    # -- hyperparameters as attributes, as treeopt.Optimizer reads them ---------------
+
+    def __getattr__(self, name: str) -> Any:
+        # Only reached when normal lookup fails.
+        state = vars(self).get("treeopt")
+        if name.startswith("_") or state is None:
+            raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
+        if name == "model":
+            raise AttributeError(
+                f"{type(self).__name__} has no 'model', as nnx.Optimizer has none: "
+                "use treeopt.nnx.ModelAndOptimizer, which keeps the model."
+            )
+        found = state.get_raw_value().hyperparams
+        if name in found:
+            return found[name]
+        raise AttributeError(
+            f"'{type(self).__name__}' object has no attribute or injected hyperparameter '{name}'"
+            + (f" (hyperparameters: {sorted(found)})" if found else "")
+        )
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        state = vars(self).get("treeopt")
+        if state is not None and name not in _OWN and name not in vars(self):
+            if name == "learning_rate" or name in state.get_raw_value().hyperparams:
+                self.set_hyperparams({name: value})  # a clear error where tx has no such hyperparameter
+                return
+        super().__setattr__(name, value)
+
+    def _core(self) -> treeopt.Optimizer:
+        core: treeopt.Optimizer = self.treeopt.get_raw_value()
+        return core
+
+
+class ModelAndOptimizer(Optimizer[M]):
+    """``nnx.ModelAndOptimizer(model, tx, wrt=nnx.Param)``: the optimizer keeps the model; ``update(grads)``.
+
+    Example:
+        >>> import jax.numpy as jnp, optax, treeopt.nnx
+        >>> from flax import nnx
+        >>> state = treeopt.nnx.ModelAndOptimizer(nnx.Linear(2, 1, rngs=nnx.Rngs(0)), optax.sgd(0.1))
+        >>> @nnx.jit
+        ... def train_step(state, x):
+        ...     grads = nnx.grad(lambda m: m(x).sum())(state.model)
+        ...     state.update(grads)
+        >>> train_step(state, jnp.ones((1, 2)))
+        >>> state.model.bias[...], int(state.step[...])
+        (Array([-0.1], dtype=float32), 1)
+    """
+
+    def __init__(
+        self,
+        model: M,
+        tx: optax.GradientTransformation,
+        *,
+        wrt: Any = nnx.Param,
+        graph: bool | None = None,
+        **kwargs: Any,
+    ):
+        super().__init__(model, tx, wrt=wrt, graph=graph, **kwargs)
+        self.model = model
+
+    def update(self, grads: Any, /, **kwargs: Any) -> Updates:  # type: ignore[override]
+        """One step on ``self.model``: ``Optimizer.update(self.model, grads, **kwargs)``.
+
+        Example:
+            >>> import jax.numpy as jnp, optax, treeopt.nnx
+            >>> from flax import nnx
+            >>> state = treeopt.nnx.ModelAndOptimizer(nnx.Linear(2, 1, rngs=nnx.Rngs(0)), optax.sgd(0.1))
+            >>> grads = nnx.grad(lambda m: m(jnp.ones((1, 2))).sum())(state.model)
+            >>> state.update(grads)["bias"]
+            Array([-0.1], dtype=float32)
+        """
+        return super().update(self.model, grads, **kwargs)
+
+
+def _holds_variables(state: Any) -> bool:
+    return any(
+        isinstance(x, nnx.Variable)
+        for x in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    )
+
+
+def _empty_selection_message(model: Any, wrt: Any, graph: bool | None) -> str:
+    """Why nothing would train: the ``wrt``, and a few of the model's variables with their types."""
+    variables = nnx.to_flat_state(nnx.state(model, graph=graph))
+    found = [f"'{'/'.join(map(str, path))}' ({type(v).__name__})" for path, v in list(variables)[:8]]
+    more = f", ... ({len(variables)} in all)" if len(variables) > len(found) else ""
+    text = wrt.__name__ if isinstance(wrt, type) else repr(wrt)
+    message = (
+        f"wrt={text} selects no variable of the {type(model).__name__} given to the optimizer: nothing "
+        "would train. " + (f"Its variables: {', '.join(found)}{more}." if found else "It has no variables.")
+    )
+    if isinstance(wrt, str):
+        message += (
+            f"\nnnx reads a string as a tag, nnx.WithTag({wrt!r}), and no variable has it; "
+            "select by type with the class itself (nnx.Param, nnx.LoRAParam)."
+        )
+    return message
