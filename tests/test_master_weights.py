@@ -353,15 +353,22 @@ def test_zero_one_splits_masters_and_state_eightfold_with_the_same_numbers():
     assert on_device0(per_param) * 8 == sum(x.nbytes for x in jax.tree.leaves(per_param))
     assert all(leaf.sharding.spec != P() for leaf in opt.master.values())
 
+    replicated = NamedSharding(mesh, P())
+
     def step(params, opt, x):
         grads = jax.grad(zero_loss)(params, x)
         return opt.update(grads, params), opt
 
-    # Data parallel: params and batch replicated, so every device computes the same gradients;
-    # only the optimizer's step is split (ZeRO-1), and it is elementwise.
-    replicated = NamedSharding(mesh, P())
+    def data_parallel_step(params, opt, x):
+        # Gradients whole on every device, as after the data-parallel all-reduce: XLA would
+        # otherwise split the backward pass like the state and sum in another order.
+        grads = jax.lax.with_sharding_constraint(jax.grad(zero_loss)(params, x), replicated)
+        return opt.update(grads, params), opt
+
+    # Params and batch replicated, so every device computes the same gradients; only the
+    # optimizer's step is split (ZeRO-1), and it is elementwise.
     sharded = jax.jit(
-        step,
+        data_parallel_step,
         in_shardings=(replicated, shardings, replicated),
         out_shardings=(replicated, shardings),
         donate_argnums=(1,),
