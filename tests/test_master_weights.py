@@ -465,3 +465,25 @@ def test_masks_labels_by_name_and_multi_steps_run_on_the_masters(make_tx):
     for name, master in opt.master.items():
         np.testing.assert_allclose(master, expected[name], rtol=1e-6, atol=0)
         np.testing.assert_array_equal(named(new)[name], master.astype(BF16))
+
+
+def test_the_nnx_drop_in_passes_master_dtype_and_trains_like_the_core():
+    from flax import nnx
+
+    import treeopt.nnx
+
+    def model():
+        return nnx.Linear(8, 4, param_dtype=BF16, rngs=nnx.Rngs(0))
+
+    def loss(m):
+        return (m(jnp.ones((2, 8))).astype(F32) ** 2).sum()
+
+    with_drop_in, with_core = model(), model()
+    drop_in = treeopt.nnx.Optimizer(with_drop_in, optax.adam(1e-3), wrt=nnx.Param, master_dtype=F32)
+    core = treeopt.Optimizer(optax.adam(1e-3), master_dtype=F32).init(with_core)
+    for _ in range(4):
+        drop_in.update(with_drop_in, nnx.grad(loss)(with_drop_in))
+        core.update(nnx.grad(loss)(with_core), with_core)
+    assert_trees_equal(drop_in.treeopt.get_value().master, core.master)
+    assert_trees_equal(nnx.state(with_drop_in, nnx.Param), nnx.state(with_core, nnx.Param))
+    assert with_drop_in.kernel[...].dtype == BF16
