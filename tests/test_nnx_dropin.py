@@ -72,17 +72,17 @@ def assert_same_model(a, b) -> None:
 # -- each nnx style, written once; `optimizer_type` is the only difference ---------------
 
 
+@nnx.jit
+def nnx_jit_step(model, optimizer):
+    loss, grads = nnx.value_and_grad(loss_fn)(model)
+    optimizer.update(model, grads)
+    return loss
+
+
 def nnx_jit_loop(optimizer_type, tx, steps=STEPS):
     model = Net()
     optimizer = optimizer_type(model, tx, wrt=nnx.Param)
-
-    @nnx.jit
-    def train_step(model, optimizer):
-        loss, grads = nnx.value_and_grad(loss_fn)(model)
-        optimizer.update(model, grads)
-        return loss
-
-    return [float(train_step(model, optimizer)) for _ in range(steps)], model, optimizer
+    return [float(nnx_jit_step(model, optimizer)) for _ in range(steps)], model, optimizer
 
 
 def split_merge_loop(optimizer_type, tx, steps=STEPS):
@@ -108,14 +108,7 @@ def split_merge_loop(optimizer_type, tx, steps=STEPS):
 def cached_partial_loop(optimizer_type, tx, steps=STEPS):
     model = Net()
     optimizer = optimizer_type(model, tx, wrt=nnx.Param)
-
-    @nnx.jit
-    def train_step(model, optimizer):
-        loss, grads = nnx.value_and_grad(loss_fn)(model)
-        optimizer.update(model, grads)
-        return loss
-
-    cached = nnx.cached_partial(train_step, model, optimizer)
+    cached = nnx.cached_partial(nnx_jit_step, model, optimizer)
     return [float(cached()) for _ in range(steps)], model, optimizer
 
 
