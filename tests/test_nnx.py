@@ -337,13 +337,13 @@ def test_nnx_jit_loop_equals_nnx_optimizer_across_a_resume(tmp_path):
     for _ in range(RESUME_AT):
         loss, opt = nnx_jit_step(model, opt, X, Y)
         losses.append(float(loss))
-    treeopt.serialization.save(tmp_path / "ckpt", opt, nnx.state(model))  # every Variable, not only Params
+    treeopt.checkpoint.save(tmp_path / "ckpt", opt, nnx.state(model))  # every Variable, not only Params
     saved = not_params(model)
     del model, opt  # the crash
 
     model = new_net(seed=7)  # other numbers everywhere: the checkpoint must bring all of them back
     target = jax.eval_shape(treeopt.Optimizer(TX).init, model)
-    opt, state = treeopt.serialization.restore(tmp_path / "ckpt", target, params=nnx.state(model))
+    opt, state = treeopt.checkpoint.restore(tmp_path / "ckpt", target, params=nnx.state(model))
     nnx.update(model, state)
     for a, b in zip(saved, not_params(model), strict=True):
         np.testing.assert_array_equal(a, b)
@@ -375,12 +375,12 @@ def test_jax_jit_over_split_state_equals_nnx_optimizer_across_a_resume(tmp_path)
     for _ in range(RESUME_AT):
         params, rest, opt, loss = train_step(params, rest, opt, X, Y)
         losses.append(float(loss))
-    treeopt.serialization.save(tmp_path / "ckpt", opt, {"params": params, "rest": rest})
+    treeopt.checkpoint.save(tmp_path / "ckpt", opt, {"params": params, "rest": rest})
     del params, rest, opt
 
     graphdef, params, rest = nnx.split(new_net(seed=7), nnx.Param, ...)
     target = jax.eval_shape(treeopt.Optimizer(TX).init, params)
-    opt, restored = treeopt.serialization.restore(
+    opt, restored = treeopt.checkpoint.restore(
         tmp_path / "ckpt", target, params={"params": params, "rest": rest}
     )
     params, rest = restored["params"], restored["rest"]
@@ -411,11 +411,11 @@ def test_resuming_without_the_non_param_state_changes_the_losses(tmp_path):
     opt = treeopt.Optimizer(TX).init(model)
     for _ in range(RESUME_AT):
         _, opt = nnx_jit_step(model, opt, X, Y)
-    treeopt.serialization.save(tmp_path / "ckpt", opt, nnx.state(model, nnx.Param))
+    treeopt.checkpoint.save(tmp_path / "ckpt", opt, nnx.state(model, nnx.Param))
 
     model = new_net(seed=7)
     target = jax.eval_shape(treeopt.Optimizer(TX).init, model)
-    opt, params = treeopt.serialization.restore(tmp_path / "ckpt", target, params=nnx.state(model, nnx.Param))
+    opt, params = treeopt.checkpoint.restore(tmp_path / "ckpt", target, params=nnx.state(model, nnx.Param))
     nnx.update(model, params)
     loss, opt = nnx_jit_step(model, opt, X, Y)
     assert float(loss) != expected[RESUME_AT]

@@ -454,11 +454,11 @@ def test_load_state_dict_resumes_in_place():
 def test_a_checkpoint_of_the_treeopt_state_resumes_bit_for_bit(tmp_path):
     expected, _, _ = nnx_jit_loop(nnx.Optimizer, optax.adamw(3e-2, weight_decay=1e-2))
     _, model, optimizer = nnx_jit_loop(treeopt.nnx.Optimizer, optax.adamw(3e-2, weight_decay=1e-2), steps=2)
-    treeopt.serialization.save(tmp_path / "ckpt", optimizer.treeopt.get_value(), nnx.state(model))
+    treeopt.checkpoint.save(tmp_path / "ckpt", optimizer.treeopt.get_value(), nnx.state(model))
 
     model = Net(seed=9)  # another process: other numbers everywhere until restored
     optimizer = treeopt.nnx.Optimizer(model, optax.adamw(3e-2, weight_decay=1e-2), wrt=nnx.Param)
-    core, state = treeopt.serialization.restore(
+    core, state = treeopt.checkpoint.restore(
         tmp_path / "ckpt", optimizer.treeopt.get_value(), params=nnx.state(model)
     )
     optimizer.treeopt.set_value(core)
