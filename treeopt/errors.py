@@ -19,6 +19,7 @@ import numpy as np
 
 __all__ = [
     "CheckpointError",
+    "CheckpointInUseError",
     "LoadReport",
     "StateDictError",
     "StateDictWarning",
@@ -235,6 +236,36 @@ class CheckpointError(ValueError):
         ...     print(str(e).split(":")[0])
         Could not decode 77 bytes as a msgpack state dict
     """
+
+
+class CheckpointInUseError(RuntimeError):
+    """Another process writes this checkpoint directory; ``.directory`` and ``.holder`` name them.
+
+    A ``CheckpointManager`` takes its directory's lock at its first save and
+    keeps it until closed; ``save(directory, ...)`` holds it while it writes.
+
+    Example:
+        >>> import tempfile, jax.numpy as jnp, optax, treeopt
+        >>> opt = treeopt.Optimizer(optax.sgd(0.1)).init({"w": jnp.ones(2)})
+        >>> directory = tempfile.mkdtemp()
+        >>> first = treeopt.checkpoint.CheckpointManager(directory, enable_async_checkpointing=False)
+        >>> first.save(0, opt)
+        True
+        >>> second = treeopt.checkpoint.CheckpointManager(directory, enable_async_checkpointing=False)
+        >>> try:
+        ...     second.save(1, opt)
+        ... except CheckpointInUseError as e:
+        ...     print(e.holder.split(" (")[0])
+        this process
+        >>> first.close(); second.save(1, opt)
+        True
+        >>> second.close()
+    """
+
+    def __init__(self, message: str, *, directory: str = "", holder: str = ""):
+        super().__init__(message)
+        self.directory = directory
+        self.holder = holder
 
 
 def describe(x: object) -> str:
