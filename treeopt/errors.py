@@ -20,6 +20,7 @@ import numpy as np
 __all__ = [
     "CheckpointError",
     "CheckpointInUseError",
+    "DonatedOptimizerError",
     "LoadReport",
     "StateDictError",
     "StateDictWarning",
@@ -266,6 +267,22 @@ class CheckpointInUseError(RuntimeError):
         super().__init__(message)
         self.directory = directory
         self.holder = holder
+
+
+class DonatedOptimizerError(RuntimeError):
+    """An optimizer whose buffers were donated to a jitted step (they are deleted): use the one it returned.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, optax, treeopt
+        >>> opt = treeopt.Optimizer(optax.sgd(0.1)).init({"w": jnp.ones(2)})
+        >>> step = jax.jit(lambda opt: opt, donate_argnums=0)
+        >>> new_opt = step(opt)
+        >>> try:
+        ...     opt.state_dict()
+        ... except DonatedOptimizerError as e:
+        ...     print(str(e).split(":")[0])
+        This optimizer's buffers were donated to a jitted step (donate_argnums/donate_argnames) and are deleted
+    """
 
 
 def describe(x: object) -> str:
