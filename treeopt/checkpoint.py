@@ -243,7 +243,17 @@ class CheckpointManager:
     :meth:`all_steps`. Unless ``options`` sets its own ``todelete_subdir`` (then
     the dropped steps are kept there, as orbax does), that subdirectory is
     emptied after each save, and removed by :meth:`wait_until_finished`,
-    :meth:`close` and when a manager opens the directory.
+    :meth:`close` and when a manager opens a directory no one writes.
+
+    One writer: the first :meth:`save` makes this manager the directory's
+    writer until :meth:`close` (a lock file, ``.treeopt-lock``, that names it);
+    another writer's save raises :class:`~treeopt.errors.CheckpointInUseError`.
+    What failed or killed saves left (orbax's ``N.orbax-checkpoint-tmp``) is
+    removed by the writer before each save and when it waits or closes, and
+    when a manager opens a directory no one writes. A step directory that is
+    not a complete checkpoint is left out of :meth:`all_steps` with a warning
+    naming it (and moved into ``.treeopt-incomplete`` when the directory is
+    tidied). See ``docs/resume.md``.
 
     Example:
         >>> import tempfile, jax, jax.numpy as jnp, optax, treeopt
