@@ -206,6 +206,19 @@ def test_two_managers_of_one_process_are_two_writers_too(tmp_path):
     assert steps_that_restore(tmp_path) == [1, 2]
 
 
+def test_a_writer_waits_for_a_reader_tidying_the_directory_but_not_for_a_writer(tmp_path):
+    from treeopt._writer_lock import TIDYING, WriterLock
+
+    tidying = WriterLock(str(tmp_path / ".treeopt-lock"), str(tmp_path))
+    tidying.acquire(TIDYING)  # as a manager opening the directory holds it for a moment
+    threading.Timer(0.2, tidying.release).start()
+    with manager(tmp_path) as writer:
+        assert writer.save(1, *state_at(1))  # waited for the tidying, then took the lock
+        with manager(tmp_path) as reader:  # a reader opening meanwhile does not wait for a writer
+            assert reader.all_steps() == [1]
+    assert steps_that_restore(tmp_path) == [1]
+
+
 def test_a_manager_dropped_without_close_gives_its_lock_up_when_collected(tmp_path):
     dropped = manager(tmp_path)
     dropped.save(1, *state_at(1))

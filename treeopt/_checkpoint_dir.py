@@ -46,7 +46,7 @@ from typing import Any
 import numpy as np
 
 from treeopt._siblings import orbax_tmp_suffix, remove
-from treeopt._writer_lock import WriterLock
+from treeopt._writer_lock import TIDYING, WriterLock
 from treeopt.errors import CheckpointInUseError
 
 LOCK_NAME = ".treeopt-lock"
@@ -167,7 +167,7 @@ class ManagedDirectory:
         if self.lock is None or self.writing:
             return False
         try:
-            self.lock.acquire()
+            self.lock.acquire(TIDYING)
         except CheckpointInUseError:
             return False  # a live writer: its debris is its own, and it tidies
         try:

@@ -39,25 +39,40 @@ import fcntl
 import json
 import os
 import socket
+import time
 from typing import Any
 
 from treeopt.errors import CheckpointInUseError
 
-__all__ = ["WriterLock"]
+__all__ = ["TIDYING", "WriterLock"]
 
 
-def _record() -> bytes:
-    """What the lock file says about its holder: this process."""
+# A manager that opens a directory no one writes holds the lock for a moment to tidy it; a
+# writer that meets such a holder waits for it (polling), up to this long, instead of failing.
+TIDYING = "tidying"
+_WAIT_FOR_TIDYING_S = 30.0
+_POLL_S = 0.05
+
+
+def _record(purpose: str) -> bytes:
+    """What the lock file says about its holder: this process, and what it holds the lock for."""
     now = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
-    return json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "since": now}).encode()
+    record = {"host": socket.gethostname(), "pid": os.getpid(), "since": now, "purpose": purpose}
+    return json.dumps(record).encode()
 
 
-def _holder(fd: int) -> str:
-    """The holder a lock file names, in words."""
+def _read(fd: int) -> Any:
     try:
-        record: Any = json.loads(os.pread(fd, 4096, 0) or b"null")
+        return json.loads(os.pread(fd, 4096, 0) or b"null")
+    except (OSError, ValueError):
+        return None
+
+
+def _holder(record: Any) -> str:
+    """The holder a lock file's record names, in words."""
+    try:
         host, pid, since = record["host"], int(record["pid"]), record["since"]
-    except (OSError, ValueError, TypeError, KeyError):
+    except (TypeError, KeyError, ValueError):
         return "a process that has not written its name yet (it is starting)"
     if host == socket.gethostname() and pid == os.getpid():
         return (
@@ -80,31 +95,42 @@ class WriterLock:
         """Whether this object holds the lock."""
         return self._fd is not None
 
-    def acquire(self) -> None:
-        """Takes the lock, or raises :class:`CheckpointInUseError` naming its holder; never waits."""
+    def acquire(self, purpose: str = "writing") -> None:
+        """Takes the lock, or raises :class:`CheckpointInUseError` naming its holder.
+
+        It waits only for a holder that is tidying the directory (a moment);
+        for a writer it fails at once.
+        """
+        deadline = time.monotonic() + _WAIT_FOR_TIDYING_S
         while self._fd is None:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                holder = _holder(fd)
+                record = _read(fd)
                 os.close(fd)
-                raise CheckpointInUseError(
-                    f"Another writer holds the checkpoint directory {self.directory}: {holder}. Its lock file is {self.path}. "
-                    "Two writers on one directory would overwrite and delete each other's "
-                    "checkpoints. Stop the other job (a previous run of this one still "
-                    "running?) or write to another directory; reading is unaffected. The "
-                    "lock is released when its holder closes the directory or exits, "
-                    "however it exits.",
-                    directory=self.directory,
-                    holder=holder,
-                ) from None
+                tidying = isinstance(record, dict) and record.get("purpose") == TIDYING
+                if tidying and purpose != TIDYING and time.monotonic() < deadline:
+                    time.sleep(_POLL_S)
+                    continue
+                raise self._in_use(_holder(record)) from None
             if self._is_at_path(fd):
                 os.ftruncate(fd, 0)
-                os.pwrite(fd, _record(), 0)
+                os.pwrite(fd, _record(purpose), 0)
                 self._fd = fd
             else:  # its previous holder deleted it meanwhile: lock the file now at the path
                 os.close(fd)
+
+    def _in_use(self, holder: str) -> CheckpointInUseError:
+        return CheckpointInUseError(
+            f"Another writer holds the checkpoint directory {self.directory}: {holder}. Its lock "
+            f"file is {self.path}. Two writers on one directory would overwrite and delete each "
+            "other's checkpoints. Stop the other job (a previous run of this one still running?) "
+            "or write to another directory; reading is unaffected. The lock is released when its "
+            "holder closes the directory or exits, however it exits.",
+            directory=self.directory,
+            holder=holder,
+        )
 
     def _is_at_path(self, fd: int) -> bool:
         try:
