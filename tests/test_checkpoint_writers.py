@@ -26,9 +26,7 @@ import gc
 import inspect
 import json
 import os
-import resource
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -247,10 +245,34 @@ def test_a_single_directory_save_is_refused_while_another_writes_it(tmp_path):
 
 _FULL = _PRELUDE + textwrap.dedent(
     """
-    one, run = os.path.join(sys.argv[1], "one"), os.path.join(sys.argv[1], "run")
+    import contextlib, resource, signal
+
+    root, how = sys.argv[1], sys.argv[2]  # how: "tmpfs" (1 MiB) or "rlimit" (no tmpfs could be mounted)
+    one, run = os.path.join(root, "one"), os.path.join(root, "run")
     big_params = {"w": jax.random.normal(jax.random.key(0), (300_000,))}  # 3.6 MB with adam's state
     big = treeopt.Optimizer(optax.adam(0.1)).init(big_params)
     target = jax.eval_shape(BASE.init, {"w": jnp.zeros(4)})
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # past a file-size limit a write fails, not the process
+    _, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+
+
+    @contextlib.contextmanager
+    def disk_with(free):
+        # Writes fail past about `free` bytes: a filler file on the tmpfs, or a limit on the size
+        # of each file (a tenth of that: a checkpoint is a dozen files).
+        if how == "tmpfs":
+            stat = os.statvfs(root)
+            with open(os.path.join(root, "filler"), "wb") as f:
+                f.write(b"x" * max(stat.f_bavail * stat.f_frsize - free, 0))
+        else:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (free // 10, hard))
+        try:
+            yield
+        finally:
+            if how == "tmpfs":
+                os.remove(os.path.join(root, "filler"))
+            else:
+                resource.setrlimit(resource.RLIMIT_FSIZE, (hard, hard))
 
 
     def report(what, error, directory):
@@ -263,20 +285,28 @@ _FULL = _PRELUDE + textwrap.dedent(
     checkpoint.save(os.path.join(one, "ckpt"), *state_at(1))
     error = None
     try:
-        checkpoint.save(os.path.join(one, "ckpt"), big, big_params, force=True)
+        with disk_with(1 << 20):
+            checkpoint.save(os.path.join(one, "ckpt"), big, big_params, force=True)
     except Exception as e:
         error = e
     report("one directory", error, one)
     print("RESTORED", int(checkpoint.restore(os.path.join(one, "ckpt"), target).step), flush=True)
+    with contextlib.suppress(OSError, ValueError), disk_with(0):  # not even room for the lock file's record
+        checkpoint.save(os.path.join(one, "ckpt"), *state_at(2), force=True)
+    checkpoint.save(os.path.join(one, "ckpt"), *state_at(2), force=True)  # room again: it saves
+    print("RESTORED", int(checkpoint.restore(os.path.join(one, "ckpt"), target).step), flush=True)
 
-    for asynchronous in (False, True):
+    # A save too big for the disk, then one on a disk with almost no room left (it fails in
+    # orbax's metadata writes, whose error orbax would raise again at the next save).
+    for asynchronous, free, too_big in [(False, 1 << 20, True), (True, 1 << 20, True), (True, 2000, False)]:
         with checkpoint.CheckpointManager(run, enable_async_checkpointing=asynchronous) as manager:
             manager.save(1, *state_at(1))
             manager.wait_until_finished()
             error = None
             try:
-                manager.save(2, big, big_params)
-                manager.wait_until_finished()  # where an asynchronous save fails
+                with disk_with(free):
+                    manager.save(2, *((big, big_params) if too_big else state_at(2)))
+                    manager.wait_until_finished()  # where an asynchronous save fails
             except Exception as e:
                 error = e
             report("manager", error, run)
@@ -291,51 +321,39 @@ _FULL = _PRELUDE + textwrap.dedent(
 
 @contextlib.contextmanager
 def small_disk(path):
-    """``(directory, how)``: writes there fail past about 1 MB.
+    """``(directory, how)``: a 1 MiB tmpfs mounted there where this process may mount one (root).
 
-    A 1 MiB tmpfs mounted there where this process may mount one (root);
-    elsewhere the child gets a 1 MiB file-size limit instead (writes of a
-    bigger file fail with EFBIG, as the full tmpfs fails them with ENOSPC).
+    Elsewhere ``how`` is ``"rlimit"``: the child limits the size of the files
+    it writes instead, so that writes fail past the limit with EFBIG, as
+    writes to the full tmpfs fail with ENOSPC.
     """
     path.mkdir()
     try:
-        mounted = (
-            subprocess.run(
-                ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(path)],
-                capture_output=True,
-                check=False,
-            ).returncode
-            == 0
-        )
+        command = ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(path)]
+        mounted = subprocess.run(command, capture_output=True, check=False).returncode == 0
     except OSError:  # no mount command
         mounted = False
-    if mounted:
-        try:
-            yield path, {}
-        finally:
+    try:
+        yield path, "tmpfs" if mounted else "rlimit"
+    finally:
+        if mounted:
             subprocess.run(["umount", str(path)], check=True)
-        return
-
-    def limit_file_size():
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails instead of killing
-        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
-
-    yield path, {"preexec_fn": limit_file_size}
 
 
 def test_a_save_that_fails_on_a_full_disk_leaves_nothing_and_the_last_checkpoint_restores(tmp_path):
-    with small_disk(tmp_path / "disk") as (disk, popen), child_process(_FULL, disk, **popen) as child:
+    with small_disk(tmp_path / "disk") as (disk, how), child_process(_FULL, disk, how) as child:
         output = read_until(child, "END")
         assert child.wait(timeout=DEADLINE_S) == 0, output  # nothing left running: it exits
     reports = [json.loads(line) for line in output.splitlines() if line.startswith("{")]
-    assert [r["what"] for r in reports] == ["one directory", "manager", "manager"], output
+    assert [r["what"] for r in reports] == ["one directory", "manager", "manager", "manager"], output
     assert all(r["failed"] for r in reports), output
     assert reports[0]["listing"] == ["ckpt"], output  # no ckpt.treeopt-new.orbax-checkpoint-tmp
-    for failed in reports[1:]:  # synchronous, then asynchronous
+    for failed in reports[1:]:  # synchronous, asynchronous, asynchronous on a nearly full disk
         assert failed["listing"] == [".treeopt-lock", "1"], output  # no 2.orbax-checkpoint-tmp
         assert any("was removed, and the latest complete step is 1" in note for note in failed["notes"])
-    assert output.count("SAVED True") == 2 and output.count("RESTORED [1, 3]") == 2, output
-    assert "RESTORED 1" in output, output
+    # The next save works (no error of the failed one raised again), and every step restores.
+    assert output.count("SAVED True") == 3 and output.count("RESTORED [1, 3]") == 3, output
+    assert "RESTORED 1" in output and "RESTORED 2" in output, output
 
 
 # -- debris of killed saves ----------------------------------------------------------------------

@@ -74,6 +74,11 @@ def is_primary(primary_host: int | None) -> bool:
     return bool(_orbax_multihost().is_primary_host(primary_host))
 
 
+def process_count() -> int:
+    """The number of processes of this job (``jax.distributed``), as orbax counts them."""
+    return int(_orbax_multihost().process_count())
+
+
 def agreed(ok: bool) -> bool:
     """The primary process's ``ok``, on every process of a multi-process job (``ok`` itself in one process)."""
     multihost = _orbax_multihost()

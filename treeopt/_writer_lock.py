@@ -114,12 +114,15 @@ class WriterLock:
                     time.sleep(_POLL_S)
                     continue
                 raise self._in_use(_holder(record)) from None
-            if self._is_at_path(fd):
+            if not self._is_at_path(fd):  # its previous holder deleted it meanwhile: lock the one there now
+                os.close(fd)
+                continue
+            self._fd = fd
+            try:
                 os.ftruncate(fd, 0)
                 os.pwrite(fd, _record(purpose), 0)
-                self._fd = fd
-            else:  # its previous holder deleted it meanwhile: lock the file now at the path
-                os.close(fd)
+            except OSError:  # a full disk: the lock holds all the same, its file just does not name us
+                pass
 
     def _in_use(self, holder: str) -> CheckpointInUseError:
         return CheckpointInUseError(
@@ -142,11 +145,16 @@ class WriterLock:
         """Lets the lock go as the death of the process would: the file stays, for the next writer to take over."""
         fd, self._fd = self._fd, None
         if fd is not None:
-            with contextlib.suppress(OSError):
+            try:
                 os.close(fd)
+            except OSError:
+                pass
 
     def __del__(self) -> None:
-        self.abandon()  # dropped without release (a manager never closed)
+        try:
+            self.abandon()  # dropped without release (a manager never closed)
+        except Exception:  # at interpreter exit the os module may be gone: the kernel closes it then
+            pass
 
     def release(self) -> None:
         """Deletes the lock file and releases the lock (a no-op when not held)."""

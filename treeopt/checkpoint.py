@@ -24,7 +24,7 @@ import os
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from treeopt._checkpoint_dir import ManagedDirectory, agreed, is_primary
+from treeopt._checkpoint_dir import ManagedDirectory, agreed, is_primary, process_count
 from treeopt._checkpoint_items import (
     OPTIMIZER_ITEM,
     PARAMS_ITEM,
@@ -295,12 +295,8 @@ class CheckpointManager:
             options = dataclasses.replace(options, todelete_subdir=_DELETED_SUBDIR)
             deleted_subdir = _DELETED_SUBDIR
         self._deleted = os.path.join(self.directory, deleted_subdir) if deleted_subdir else None
-        handler = orbax_checkpoint().StandardCheckpointHandler
-        self.manager = orbax_checkpoint().CheckpointManager(
-            self.directory,
-            options=options,
-            item_handlers={OPTIMIZER_ITEM: handler(), PARAMS_ITEM: handler()},
-        )
+        self._options = options
+        self.manager = self._orbax_manager()
         names = options.step_name_format or orbax_checkpoint().step.standard_name_format(
             step_prefix=options.step_prefix, step_format_fixed_length=options.step_format_fixed_length
         )
@@ -309,6 +305,14 @@ class CheckpointManager:
         # What killed saves left is removed now if no one writes the directory (else its writer does).
         if agreed(self._dir.tidy_if_free(self.manager.all_steps())):
             self.manager.reload()
+
+    def _orbax_manager(self) -> ocp.CheckpointManager:
+        handler = orbax_checkpoint().StandardCheckpointHandler
+        return orbax_checkpoint().CheckpointManager(
+            self.directory,
+            options=self._options,
+            item_handlers={OPTIMIZER_ITEM: handler(), PARAMS_ITEM: handler()},
+        )
 
     def _empty_deleted(self, remove: bool = False) -> None:
         """Deletes the steps orbax has moved into the deleted subdirectory, then (``remove``) it.
@@ -349,7 +353,7 @@ class CheckpointManager:
         if not force and not self.manager.should_save(step):
             return False
         args, metadata = save_items(opt, params, step=step)
-        with self._cleaning_up(f"saving step {step}", always=True):
+        with self._cleaning_up(f"an earlier asynchronous save (step {step} was not saved)", always=True):
             self.manager.wait_until_finished()  # as orbax's save does first; then nothing is in flight
         with self._cleaning_up(f"saving step {step}"):
             saved = bool(self.manager.save(step, args=args, force=force, custom_metadata=metadata))
@@ -357,11 +361,12 @@ class CheckpointManager:
         return saved
 
     @contextlib.contextmanager
-    def _cleaning_up(self, doing: str, always: bool = False) -> Iterator[None]:
+    def _cleaning_up(self, doing: str, always: bool = False, closing: bool = False) -> Iterator[None]:
         """On failure (or ``always``) removes what unfinished saves left, noting so on the error."""
         try:
             yield
         except BaseException as e:
+            self._drain(restart=not closing)
             self._dir.remove_unfinished()
             e.add_note(
                 f"treeopt: {doing} in {self.directory} failed; what unfinished saves wrote there was "
@@ -370,6 +375,21 @@ class CheckpointManager:
             raise
         if always:
             self._dir.remove_unfinished()
+
+    def _drain(self, restart: bool) -> None:
+        """Waits out a failed save's background threads (they may still be writing), then, in one
+        process, starts orbax afresh: its handlers keep a failed write's error and raise it again
+        at the next save, which would fail a save that has nothing wrong with it."""
+        for _ in range(3):
+            try:
+                self.manager.wait_until_finished()
+                break
+            except Exception:
+                continue
+        if restart and process_count() == 1:
+            with contextlib.suppress(Exception):
+                self.manager.close()
+            self.manager = self._orbax_manager()
 
     def _reader(self, step: int | None, verify: bool) -> Reader:
         if step is None:
@@ -429,7 +449,7 @@ class CheckpointManager:
     def close(self) -> None:
         """Waits for pending saves, releases orbax's resources and gives the directory up to other writers."""
         try:
-            with self._cleaning_up("an asynchronous save", always=True):
+            with self._cleaning_up("an asynchronous save", always=True, closing=True):
                 self.manager.close()
             self._empty_deleted(remove=True)
         finally:
