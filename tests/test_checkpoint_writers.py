@@ -217,6 +217,33 @@ def test_a_writer_waits_for_a_reader_tidying_the_directory_but_not_for_a_writer(
     assert steps_that_restore(tmp_path) == [1]
 
 
+def test_a_lock_file_deleted_while_being_locked_is_not_held(tmp_path, monkeypatch):
+    """The holder releases (deletes the file) between a second process's open and its flock: that
+    process must lock the file now at the path, not the deleted one, or a third would get in too."""
+    from treeopt import _writer_lock
+    from treeopt._writer_lock import WriterLock
+
+    path = str(tmp_path / ".treeopt-lock")
+    holder, racer = WriterLock(path, str(tmp_path)), WriterLock(path, str(tmp_path))
+    holder.acquire()
+    real_flock = _writer_lock.fcntl.flock
+    calls = []
+
+    def flock_after_the_holder_released(fd, operation):
+        if not calls:
+            holder.release()  # between the racer's open and its flock
+        calls.append(fd)
+        return real_flock(fd, operation)
+
+    monkeypatch.setattr(_writer_lock.fcntl, "flock", flock_after_the_holder_released)
+    racer.acquire()
+    monkeypatch.undo()
+    assert len(calls) == 2  # the first lock was on the deleted file: it started again
+    with pytest.raises(CheckpointInUseError):
+        WriterLock(path, str(tmp_path)).acquire()
+    racer.release()
+
+
 def test_a_manager_dropped_without_close_gives_its_lock_up_when_collected(tmp_path):
     dropped = manager(tmp_path)
     dropped.save(1, *state_at(1))
@@ -385,7 +412,7 @@ def test_a_reader_never_removes_what_a_live_writer_is_writing(tmp_path):
 def test_the_writer_removes_what_a_killed_save_left_before_it_saves(tmp_path):
     with manager(tmp_path) as writer:
         writer.save(1, *state_at(1))
-        os.makedirs(tmp_path / "2.orbax-checkpoint-tmp" / "optimizer")  # a save of this writer that died
+        os.makedirs(tmp_path / "7.orbax-checkpoint-tmp" / "optimizer")  # debris of a save that died
         assert writer.save(2, *state_at(2))
         assert sorted(os.listdir(tmp_path)) == [".treeopt-lock", "1", "2"]
     assert steps_that_restore(tmp_path) == [1, 2]

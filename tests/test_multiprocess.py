@@ -12,7 +12,8 @@ cross-process all-reduce adds in another order (rtol 1e-6). Both processes
 also write checkpoints together (a ``CheckpointManager`` per job, then a
 single directory), which restore onto the shardings exactly as saved: the
 directory's lock is the job's (the primary process takes it), not each
-process's.
+process's; while another writer holds the directory, the job's save is
+refused on both processes, neither waits for the other.
 
 The workers are this file run as a script (``python test_multiprocess.py
 --worker ...``). Every wait has a deadline and the workers are killed when it
@@ -112,6 +113,36 @@ def make_mesh(devices):
     return Mesh(np.array(devices).reshape(2, 4), ("data", "model"))
 
 
+def refused_together(directory):
+    """While another writer holds the directory, the job's first save is refused on every process.
+
+    Only the primary process takes the lock; the others learn its outcome, so
+    no process goes on into orbax's save to wait there for the others.
+    """
+    from treeopt import checkpoint
+    from treeopt._writer_lock import WriterLock
+    from treeopt.errors import CheckpointInUseError
+
+    run = Path(directory) / "run"
+    run.mkdir(exist_ok=True)
+    other = WriterLock(str(run / ".treeopt-lock"), str(run))  # another job's writer, here on process 0
+    if jax.process_index() == 0:
+        other.acquire()
+    multihost_utils.sync_global_devices("another writer holds the directory")
+    opt = treeopt.Optimizer(optax.sgd(0.1)).init({"w": jnp.zeros(2)})
+    manager = checkpoint.CheckpointManager(run)
+    try:
+        manager.save(0, opt)
+    except CheckpointInUseError as e:
+        assert str(run) in str(e), e
+    else:
+        raise AssertionError(f"process {jax.process_index()} saved while another writer held {run}")
+    finally:
+        manager.close()
+        other.release()
+    multihost_utils.sync_global_devices("the other writer is gone")
+
+
 def checkpoint_round_trip(mesh, directory):
     """Both processes save sharded steps through one manager per job, then a single-directory checkpoint;
     each restores onto the shardings. Returns the restored leaves, gathered to the host."""
@@ -162,6 +193,7 @@ def worker(process_id: int, port: int, out_dir: str) -> None:
         leaves = train(make_mesh(devices), over)
         if process_id == 0:
             np.savez(Path(out_dir) / f"{label}.npz", *leaves)
+    refused_together(out_dir)
     leaves = checkpoint_round_trip(make_mesh(devices), out_dir)
     if process_id == 0:
         np.savez(Path(out_dir) / "checkpoints.npz", *leaves)
