@@ -87,13 +87,6 @@ def agreed(ok: bool) -> bool:
     return bool(multihost.broadcast_one_to_all(np.int32(ok)))
 
 
-def sync(name: str) -> None:
-    """A barrier of all processes of a multi-process job (nothing in one process)."""
-    multihost = _orbax_multihost()
-    if multihost.process_count() > 1:
-        multihost.sync_global_processes(multihost.unique_barrier_key(f"treeopt_{name}"))
-
-
 class ManagedDirectory:
     """Housekeeping of a manager's ``root``: its lock, its debris and its incomplete steps.
 
@@ -164,12 +157,11 @@ class ManagedDirectory:
         if self.lock is not None:
             moved, trash = self._tidy(steps)
             self._remove(trash)
-        sync("tidied")
-        return moved
+        return agreed(moved)  # every process reloads its steps if the primary moved some
 
     def tidy_if_free(self, steps: Iterable[int]) -> bool:
         """When no one writes the directory, tidies it (at open); True if incomplete steps moved."""
-        if self.lock is None or self.writing:
+        if self.lock is None or self.writing or not os.path.isdir(self.root):
             return False
         try:
             self.lock.acquire(TIDYING)
