@@ -8,7 +8,12 @@ state also split over the "data" axis (ZeRO-1, ``shard_state_over="data"``),
 which here splits it across the two processes. They gather the results, and
 process 0 writes them out; the test compares them with the same steps run
 here on 8 devices of one process: equal up to the rounding of sums that the
-cross-process all-reduce adds in another order (rtol 1e-6).
+cross-process all-reduce adds in another order (rtol 1e-6). Both processes
+also write checkpoints together (a ``CheckpointManager`` per job, then a
+single directory), which restore onto the shardings exactly as saved: the
+directory's lock is the job's (the primary process takes it), not each
+process's; while another writer holds the directory, the job's save is
+refused on both processes, neither waits for the other.
 
 The workers are this file run as a script (``python test_multiprocess.py
 --worker ...``). Every wait has a deadline and the workers are killed when it
@@ -108,6 +113,67 @@ def make_mesh(devices):
     return Mesh(np.array(devices).reshape(2, 4), ("data", "model"))
 
 
+def refused_together(directory):
+    """While another writer holds the directory, the job's first save is refused on every process.
+
+    Only the primary process takes the lock; the others learn its outcome, so
+    no process goes on into orbax's save to wait there for the others.
+    """
+    from treeopt import checkpoint
+    from treeopt._writer_lock import WriterLock
+    from treeopt.errors import CheckpointInUseError
+
+    run = Path(directory) / "run"
+    run.mkdir(exist_ok=True)
+    other = WriterLock(str(run / ".treeopt-lock"), str(run))  # another job's writer, here on process 0
+    if jax.process_index() == 0:
+        other.acquire()
+    multihost_utils.sync_global_devices("another writer holds the directory")
+    opt = treeopt.Optimizer(optax.sgd(0.1)).init({"w": jnp.zeros(2)})
+    manager = checkpoint.CheckpointManager(run)
+    try:
+        manager.save(0, opt)
+    except CheckpointInUseError as e:
+        assert str(run) in str(e), e
+    else:
+        raise AssertionError(f"process {jax.process_index()} saved while another writer held {run}")
+    finally:
+        manager.close()
+        other.release()
+    multihost_utils.sync_global_devices("the other writer is gone")
+
+
+def checkpoint_round_trip(mesh, directory):
+    """Both processes save sharded steps through one manager per job, then a single-directory checkpoint;
+    each restores onto the shardings. Returns the restored leaves, gathered to the host."""
+    from treeopt import checkpoint
+
+    param_sh = named_shardings(PARAM_SPECS, mesh)
+    rng = np.random.default_rng(1)
+    host = {name: rng.standard_normal(shape).astype(np.float32) for name, shape in SHAPES.items()}
+    params = {name: global_array(host[name], param_sh[name]) for name in SHAPES}
+    opt = init_sharded(treeopt.Optimizer(make_tx()), params, mesh, PARAM_SPECS, shard_state_over="data")
+    opt_sh = optimizer_shardings(opt, PARAM_SPECS, mesh, shard_state_over="data")
+    target, abstract = jax.eval_shape(lambda: opt), jax.eval_shape(lambda: params)
+    restored = []
+    for step in (1, 2):  # two jobs one after the other: each is one writer, whatever its process count
+        with checkpoint.CheckpointManager(Path(directory) / "run") as manager:
+            assert manager.save(step, opt, params)
+            manager.wait_until_finished()
+            assert list(manager.all_steps()) == list(range(1, step + 1))
+            got_opt, got_params = manager.restore(
+                target, abstract, shardings=opt_sh, param_shardings=param_sh
+            )
+            restored.append((got_params, got_opt))
+    checkpoint.save(Path(directory) / "one", opt, params)
+    got_opt, got_params = checkpoint.restore(
+        Path(directory) / "one", target, abstract, shardings=opt_sh, param_shardings=param_sh
+    )
+    restored.append((got_params, got_opt))
+    leaves = jax.tree.leaves((params, opt, restored))
+    return [np.asarray(leaf) for leaf in multihost_utils.process_allgather(leaves, tiled=True)]
+
+
 # -- the worker ------------------------------------------------------------------------
 
 
@@ -127,6 +193,10 @@ def worker(process_id: int, port: int, out_dir: str) -> None:
         leaves = train(make_mesh(devices), over)
         if process_id == 0:
             np.savez(Path(out_dir) / f"{label}.npz", *leaves)
+    refused_together(out_dir)
+    leaves = checkpoint_round_trip(make_mesh(devices), out_dir)
+    if process_id == 0:
+        np.savez(Path(out_dir) / "checkpoints.npz", *leaves)
     jax.distributed.shutdown()
 
 
@@ -206,6 +276,15 @@ def test_two_processes_match_one_process(tmp_path):
     # Splitting the state over "data" leaves the numbers as they were.
     for got, want in zip(singles["zero"], singles["like_params"], strict=True):
         np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)
+    # Checkpoints both processes wrote together restore exactly what was saved, three times over.
+    with np.load(tmp_path / "checkpoints.npz") as data:
+        leaves = [data[f"arr_{i}"] for i in range(len(data.files))]
+    saved = len(leaves) // 4  # (params, opt), then steps 1 and 2 and the single directory restored
+    assert saved * 4 == len(leaves) and saved > 0
+    for copy in range(1, 4):
+        for got, want in zip(leaves[copy * saved : (copy + 1) * saved], leaves[:saved], strict=True):
+            np.testing.assert_array_equal(got, want)
+    assert sorted(os.listdir(tmp_path / "run")) == ["1", "2"]  # no lock file or debris left
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -58,8 +59,14 @@ def _checksum_list(tree: Any) -> list[int]:
     return [int(x) for x in checksum(flatten_paths(tree))]
 
 
-def save_items(opt: Optimizer, params: Any) -> tuple[Any, dict[str, Any]]:
-    """``(ocp.args.Composite, custom metadata)`` of a checkpoint of ``opt`` (and ``params``)."""
+def save_items(opt: Optimizer, params: Any, step: int | None = None) -> tuple[Any, dict[str, Any]]:
+    """``(ocp.args.Composite, custom metadata)`` of a checkpoint of ``opt`` (and ``params``).
+
+    Params with no array (``{}``) are saved as an empty item: orbax refuses to
+    write one, so only the metadata records it (``"empty"``) with its checksum.
+    ``step`` is the manager's step, recorded so that a renamed step directory
+    can be told.
+    """
     if not isinstance(opt, Optimizer) or not opt.initialized:
         raise TypeError(
             f"save needs an initialized treeopt.Optimizer (opt = Optimizer(tx).init(params)), got {opt!r}."
@@ -68,10 +75,17 @@ def save_items(opt: Optimizer, params: Any) -> tuple[Any, dict[str, Any]]:
     if params is not None:
         items[PARAMS_ITEM] = _flat_params(params)
     checksums = {name: _checksum_list(tree) for name, tree in items.items()}
+    empty = sorted(name for name, tree in items.items() if not flatten_paths(tree))
+    written = {name: tree for name, tree in items.items() if name not in empty}
     args = orbax_checkpoint().args.Composite(
-        **{name: orbax_checkpoint().args.StandardSave(tree) for name, tree in items.items()}
+        **{name: orbax_checkpoint().args.StandardSave(tree) for name, tree in written.items()}
     )
-    return args, {_METADATA_KEY: {"format": _FORMAT, "checksums": checksums}}
+    metadata: dict[str, Any] = {"format": _FORMAT, "checksums": checksums}
+    if empty:
+        metadata["empty"] = empty
+    if step is not None:
+        metadata["step"] = step
+    return args, {_METADATA_KEY: metadata}
 
 
 def checkpointer() -> Any:
@@ -146,6 +160,8 @@ class _Item:
         return flatten_paths(self.tree)
 
     def read(self, placements: Mapping[Path, Any]) -> Any:
+        if not flatten_paths(self.tree):  # saved empty: nothing in orbax to read
+            return self.tree
         return self.reader.restore({self.name: _abstract_item(self.tree, placements)})[self.name]
 
     def stored_checksum(self) -> Any:
@@ -170,10 +186,16 @@ class Reader:
     """Metadata and restore of one checkpoint: a directory, or a step of a manager."""
 
     def __init__(
-        self, where: str, metadata: Callable[[], Any], restore: Callable[[Any], Any], verify: bool = True
+        self,
+        where: str,
+        metadata: Callable[[], Any],
+        restore: Callable[[Any], Any],
+        verify: bool = True,
+        step: int | None = None,
     ):
         self.where = where
         self.verify_checksums = verify
+        self.step = step
         self._metadata = metadata
         self._restore = restore
 
@@ -188,6 +210,8 @@ class Reader:
                 if item is not None:
                     trees[name] = getattr(item, "tree", item)
             custom = (step_metadata.custom_metadata or {}).get(_METADATA_KEY, {})
+            for name in _listed(custom, "empty"):
+                trees.setdefault(name, {})
         except FileNotFoundError as e:  # the directory exists: a file of it is missing
             raise FileNotFoundError(
                 f"The checkpoint at {self.where} is damaged or incomplete: a file of it is missing ({e})."
@@ -208,7 +232,20 @@ class Reader:
                 "or incomplete, or it was not written by treeopt.checkpoint.save / "
                 "CheckpointManager.save."
             )
+        self._check_step(custom)
         return {name: _Item(self, name, tree, custom) for name, tree in trees.items()}
+
+    def _check_step(self, custom: Any) -> None:
+        """Warns when the step a manager saved this checkpoint as is not the step its directory names."""
+        saved = custom.get("step") if isinstance(custom, Mapping) else None
+        if self.step is not None and isinstance(saved, int) and saved != self.step:
+            warnings.warn(
+                f"The checkpoint at {self.where} is step {self.step} by its directory name, but it was "
+                f"saved as step {saved}: the directory was renamed or copied. Its contents are step "
+                f"{saved}'s.",
+                UserWarning,
+                stacklevel=5,
+            )
 
     def restore(self, items: Mapping[str, Any]) -> Any:
         """Orbax's restore of ``items`` (``{name: abstract tree}``); damage raises ``CheckpointError``."""
@@ -262,6 +299,12 @@ def _saved_items(custom: Any) -> set[str]:
     """The items treeopt's custom metadata says were saved (empty when that metadata is missing)."""
     checksums = custom.get("checksums") if isinstance(custom, Mapping) else None
     return set(checksums) if isinstance(checksums, Mapping) else set()
+
+
+def _listed(custom: Any, key: str) -> list[str]:
+    """The item names under ``key`` in treeopt's custom metadata (``[]`` when absent or malformed)."""
+    names = custom.get(key) if isinstance(custom, Mapping) else None
+    return [n for n in names if n in (OPTIMIZER_ITEM, PARAMS_ITEM)] if isinstance(names, list) else []
 
 
 def _no_params_error(where: str, custom: Any) -> CheckpointError:

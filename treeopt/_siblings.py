@@ -43,6 +43,8 @@ def orbax_tmp_suffix() -> str:
 _NEW_SUFFIX = ".treeopt-new"
 _OLD_SUFFIX = ".treeopt-old"
 _TRASH_INFIX = ".treeopt-trash-"
+# The lock file a save holds while it writes (see treeopt._writer_lock); deleted when it is done.
+_LOCK_SUFFIX = ".treeopt-lock"
 
 
 class Siblings:
@@ -53,6 +55,7 @@ class Siblings:
         self.parent, self.name = os.path.split(self.path)
         self.new = self.path + _NEW_SUFFIX
         self.old = self.path + _OLD_SUFFIX
+        self.lock = self.path + _LOCK_SUFFIX
 
     def readable(self) -> str:
         """The directory ``restore`` reads: ``path``, else ``.treeopt-new``, else ``.treeopt-old``."""

@@ -74,7 +74,13 @@ def spec_leaves_with_names(tree: Any) -> list[tuple[str, Any]]:
     return named_leaves(tree, is_leaf=is_spec)
 
 
-def flat_param_specs(param_specs: Any, layout: ParamLayout) -> dict[str, PartitionSpec]:
+def flat_param_specs(
+    param_specs: Any,
+    layout: ParamLayout,
+    *,
+    what: str = "param_specs",
+    against: str = "the params this optimizer was initialized with",
+) -> dict[str, PartitionSpec]:
     """``{name: spec}`` for every trainable param, checked against ``layout``.
 
     ``param_specs`` is shaped like params (any container: nested dicts, a
@@ -82,20 +88,32 @@ def flat_param_specs(param_specs: Any, layout: ParamLayout) -> dict[str, Partiti
     ``PartitionSpec`` or ``None`` (replicated) leaves. Specs of leaves that are
     not trained are accepted and ignored. Raises ``ValueError`` naming the paths
     that are missing or unexpected, or whose spec has more entries than the
-    param has axes; ``TypeError`` for a leaf that is not a spec.
+    param has axes; ``TypeError`` for a leaf that is not a spec. ``what`` and
+    ``against`` name the two trees in the messages (T5X checks its
+    ``param_logical_axes`` against the optimizer target here too).
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from jax.sharding import PartitionSpec as P
+        >>> layout = ParamLayout.of({"w": jnp.ones((2, 3))})
+        >>> try:
+        ...     flat_param_specs({"w": P("data"), "zz": P()}, layout)
+        ... except TreeMismatchError as e:
+        ...     print(e.report.unexpected)
+        ('zz',)
     """
     if isinstance(param_specs, optax.LookaheadParams):
         param_specs = param_specs.fast
     if isinstance(param_specs, PartitionSpec):
         raise TypeError(
-            "partition_specs needs a tree of PartitionSpecs shaped like params "
+            f"{what} must be a tree of PartitionSpecs shaped like params "
             f"(e.g. {{'dense': {{'kernel': P(None, 'model')}}}}), got a single {param_specs}."
         )
     named = spec_leaves_with_names(param_specs)
     bad_types = [f"'{name}': {type(spec).__name__}" for name, spec in named if not is_spec(spec)]
     if bad_types:
         raise TypeError(
-            "param_specs must have a PartitionSpec (or None, replicated) at each parameter, got:\n  "
+            f"{what} must have a PartitionSpec (or None, replicated) at each parameter, got:\n  "
             + "\n  ".join(bad_types)
         )
     given = dict(named)
@@ -104,7 +122,7 @@ def flat_param_specs(param_specs: Any, layout: ParamLayout) -> dict[str, Partiti
     unexpected = [name for name, _ in named if name not in known]
     if missing or unexpected:
         raise TreeMismatchError.between(
-            "param_specs do not match the params this optimizer was initialized with",
+            f"{what} do not match {against}",
             missing=missing,
             unexpected=unexpected,
             hint=f"Expected a tree shaped like params, with a PartitionSpec at each of {list(layout.names)}.",

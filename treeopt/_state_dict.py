@@ -23,7 +23,7 @@ attributes, so ``optimizer.py`` can import it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from treeopt._engine import (
@@ -38,7 +38,8 @@ from treeopt._engine import (
     read_verified,
 )
 from treeopt._plain import Path, path_str, to_plain
-from treeopt.errors import LoadReport
+from treeopt._step_rule import EXPECTED, negative
+from treeopt.errors import LoadReport, StateDictError
 from treeopt.keys import key_data
 
 _LOAD = Messages(
@@ -94,8 +95,19 @@ def check_state_dict(opt: Any, sd: Any) -> LoadReport:
     return match(target(opt), source.entries(), EXACT)[1]
 
 
+def _refuse_a_negative_step(sd: Any) -> None:
+    """A negative ``"step"`` is refused, strict or not: checkpoint steps follow the same rule."""
+    value = negative(sd.get("step")) if isinstance(sd, Mapping) else None
+    if value is not None:
+        raise StateDictError.between(
+            _LOAD.lead,
+            mismatched=[("step", f"{EXPECTED} (the rule of checkpoint steps too)", str(value))],
+        )
+
+
 def load_state_dict(opt: Any, sd: Any, strict: bool = True) -> Any:
     """A new optimizer like ``opt`` with its state from ``sd`` (see ``Optimizer.load_state_dict``)."""
+    _refuse_a_negative_step(sd)
     return load(target(opt), StateDictSource(sd), EXACT, _LOAD, strict=strict)[0]
 
 
@@ -114,6 +126,7 @@ def warm_start(
             return False
         return (include is None or include(name)) and not (exclude is not None and exclude(name))
 
+    _refuse_a_negative_step(source)
     roles = Roles(frozenset(opt.paths), wanted)
     source_ = StateDictSource(source, "warm_start")
     return load(target(opt), source_, EXACT_OR_WIDER, _LOAD, strict=None, roles=roles)

@@ -20,13 +20,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import numbers
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
+from treeopt._checkpoint_dir import ManagedDirectory, agreed, is_primary, process_count
 from treeopt._checkpoint_items import (
     OPTIMIZER_ITEM,
     PARAMS_ITEM,
@@ -39,6 +37,9 @@ from treeopt._checkpoint_items import (
 from treeopt._deprecated import moved_names
 from treeopt._siblings import Siblings
 from treeopt._siblings import remove as remove_path
+from treeopt._step_rule import check_step, integer
+from treeopt._writer_lock import WriterLock
+from treeopt.errors import CheckpointInUseError
 from treeopt.optimizer import Optimizer
 
 if TYPE_CHECKING:
@@ -79,19 +80,47 @@ def save(
     """
     args, metadata = save_items(opt, params)
     siblings = Siblings(directory)
-    siblings.settle()
-    ckptr = checkpointer()
+    with _writing(siblings):
+        siblings.settle()
+        ckptr = checkpointer()
+        try:
+            if force and os.path.lexists(siblings.path):
+                ckptr.save(siblings.new, args=args, custom_metadata=metadata)
+                os.rename(siblings.path, siblings.old)
+                os.rename(siblings.new, siblings.path)
+                siblings.discard(siblings.old)
+            else:  # orbax refuses an existing directory unless forced
+                ckptr.save(siblings.path, args=args, force=force, custom_metadata=metadata)
+        except BaseException:
+            siblings.remove_leftovers()  # what this failed save wrote: the last checkpoint stays as it was
+            raise
+        finally:
+            ckptr.close()
+        siblings.remove_leftovers()
+
+
+@contextlib.contextmanager
+def _writing(siblings: Siblings) -> Iterator[None]:
+    """Holds the lock of a single-directory checkpoint while it is written (the primary process's)."""
+    lock = WriterLock(siblings.lock, siblings.path) if is_primary(0) else None
+    error: CheckpointInUseError | None = None
+    if lock is not None:
+        os.makedirs(siblings.parent, exist_ok=True)  # as orbax would make it
+        try:
+            lock.acquire()
+        except CheckpointInUseError as e:
+            error = e
+    if not agreed(error is None):
+        raise error or CheckpointInUseError(
+            f"The primary process of this job could not take the lock of {siblings.path}: "
+            "another writer holds it (the primary's error names it).",
+            directory=siblings.path,
+        )
     try:
-        if force and os.path.lexists(siblings.path):
-            ckptr.save(siblings.new, args=args, custom_metadata=metadata)
-            os.rename(siblings.path, siblings.old)
-            os.rename(siblings.new, siblings.path)
-            siblings.discard(siblings.old)
-        else:  # orbax refuses an existing directory unless forced
-            ckptr.save(siblings.path, args=args, force=force, custom_metadata=metadata)
+        yield
     finally:
-        ckptr.close()
-    siblings.remove_leftovers()
+        if lock is not None:
+            lock.release()
 
 
 def restore(
@@ -181,36 +210,11 @@ def restore_state_dict(directory: str | os.PathLike[str], *, verify: bool = True
 _DELETED_SUBDIR = ".treeopt-deleted"
 
 
-def _integer(value: Any) -> int | None:
-    """``value`` as an int if it is an integer (not a bool): int, numpy integer, 0-d integer array."""
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, numbers.Integral):
-        return int(value)
-    dtype = getattr(value, "dtype", None)
-    if getattr(value, "shape", None) == () and dtype is not None and np.issubdtype(dtype, np.integer):
-        return int(value)
-    return None
-
-
-def _check_step(step: Any) -> int:
-    """``step`` as a non-negative int, or a TypeError / ValueError saying what is expected."""
-    value = _integer(step)
-    if value is None:
-        raise TypeError(
-            "A checkpoint step must be a non-negative integer (an int, a numpy integer or a "
-            f"0-d integer array such as opt.step), got {step!r} of type {type(step).__name__}."
-        )
-    if value < 0:
-        raise ValueError(f"A checkpoint step must be a non-negative integer, got {value}.")
-    return value
-
-
 def _check_at_least_one(name: str, value: Any, none_means: str | None = None) -> None:
     expected = f"None ({none_means}) or an int >= 1" if none_means else "an int >= 1"
     if value is None and none_means:
         return
-    number = _integer(value)
+    number = integer(value)
     if number is None:
         raise TypeError(f"{name} must be {expected}, got {value!r} of type {type(value).__name__}.")
     if number < 1:
@@ -239,7 +243,17 @@ class CheckpointManager:
     :meth:`all_steps`. Unless ``options`` sets its own ``todelete_subdir`` (then
     the dropped steps are kept there, as orbax does), that subdirectory is
     emptied after each save, and removed by :meth:`wait_until_finished`,
-    :meth:`close` and when a manager opens the directory.
+    :meth:`close` and when a manager opens a directory no one writes.
+
+    One writer: the first :meth:`save` makes this manager the directory's
+    writer until :meth:`close` (a lock file, ``.treeopt-lock``, that names it);
+    another writer's save raises :class:`~treeopt.errors.CheckpointInUseError`.
+    What failed or killed saves left (orbax's ``N.orbax-checkpoint-tmp``) is
+    removed by the writer before each save and when it waits or closes, and
+    when a manager opens a directory no one writes. A step directory that is
+    not a complete checkpoint is left out of :meth:`all_steps` with a warning
+    naming it (and moved into ``.treeopt-incomplete`` when the directory is
+    tidied). See ``docs/resume.md``.
 
     Example:
         >>> import tempfile, jax, jax.numpy as jnp, optax, treeopt
@@ -276,25 +290,37 @@ class CheckpointManager:
         else:
             _check_at_least_one("options.max_to_keep", options.max_to_keep, "keep every step")
         self.directory = os.path.abspath(os.fspath(directory))
-        self._deleted: str | None = None
+        deleted_subdir = None
         if options.todelete_subdir is None and options.todelete_full_path is None and not options.read_only:
             options = dataclasses.replace(options, todelete_subdir=_DELETED_SUBDIR)
-            self._deleted = os.path.join(self.directory, _DELETED_SUBDIR)
+            deleted_subdir = _DELETED_SUBDIR
+        self._deleted = os.path.join(self.directory, deleted_subdir) if deleted_subdir else None
+        self._options = options
+        self.manager = self._orbax_manager()
+        names = options.step_name_format or orbax_checkpoint().step.standard_name_format(
+            step_prefix=options.step_prefix, step_format_fixed_length=options.step_format_fixed_length
+        )
+        primary = is_primary(options.multiprocessing_options.primary_host) and not options.read_only
+        self._dir = ManagedDirectory(self.directory, names.build_name, deleted_subdir, primary)
+        # What killed saves left is removed now if no one writes the directory (else its writer does).
+        if agreed(self._dir.tidy_if_free(self.manager.all_steps())):
+            self.manager.reload()
+
+    def _orbax_manager(self) -> ocp.CheckpointManager:
         handler = orbax_checkpoint().StandardCheckpointHandler
-        self.manager = orbax_checkpoint().CheckpointManager(
+        return orbax_checkpoint().CheckpointManager(
             self.directory,
-            options=options,
+            options=self._options,
             item_handlers={OPTIMIZER_ITEM: handler(), PARAMS_ITEM: handler()},
         )
-        self._empty_deleted(remove=True)
 
     def _empty_deleted(self, remove: bool = False) -> None:
         """Deletes the steps orbax has moved into the deleted subdirectory, then (``remove``) it.
 
         The subdirectory itself is removed only when no save is under way:
-        orbax creates it before moving a step in.
+        orbax creates it before moving a step in. Only the writer touches it.
         """
-        if self._deleted is None or not os.path.isdir(self._deleted):
+        if self._deleted is None or not self._dir.writing or not os.path.isdir(self._deleted):
             return
         for entry in os.listdir(self._deleted):
             remove_path(os.path.join(self._deleted, entry))
@@ -309,6 +335,11 @@ class CheckpointManager:
         (donating) train step may run while it is written. ``step`` is a
         non-negative integer (``TypeError`` / ``ValueError`` otherwise).
 
+        The first call makes this manager the directory's one writer until
+        :meth:`close`: if another process (or another open manager) writes it,
+        it raises :class:`~treeopt.errors.CheckpointInUseError` naming that
+        writer. Each call first removes what a failed or killed save left.
+
         Example:
             >>> import tempfile, jax.numpy as jnp, optax, treeopt
             >>> opt = treeopt.Optimizer(optax.sgd(0.1)).init({"w": jnp.ones(2)})
@@ -316,32 +347,69 @@ class CheckpointManager:
             ...     manager.save(0, opt), manager.save(1, opt), manager.save(opt.step + 2, opt)
             (True, False, True)
         """
-        step = _check_step(step)
+        step = check_step(step)
+        if self._dir.become_writer(self.manager.all_steps()):  # the first save: the lock, then tidy
+            self.manager.reload()
         if not force and not self.manager.should_save(step):
             return False
-        args, metadata = save_items(opt, params)
-        saved = bool(self.manager.save(step, args=args, force=force, custom_metadata=metadata))
+        args, metadata = save_items(opt, params, step=step)
+        with self._cleaning_up(f"an earlier asynchronous save (step {step} was not saved)", always=True):
+            self.manager.wait_until_finished()  # as orbax's save does first; then nothing is in flight
+        with self._cleaning_up(f"saving step {step}"):
+            saved = bool(self.manager.save(step, args=args, force=force, custom_metadata=metadata))
         self._empty_deleted()  # orbax waited for the previous save, and its deletions, to finish
         return saved
+
+    @contextlib.contextmanager
+    def _cleaning_up(self, doing: str, always: bool = False, closing: bool = False) -> Iterator[None]:
+        """On failure (or ``always``) removes what unfinished saves left, noting so on the error."""
+        try:
+            yield
+        except BaseException as e:
+            self._drain(restart=not closing)
+            self._dir.remove_unfinished()
+            e.add_note(
+                f"treeopt: {doing} in {self.directory} failed; what unfinished saves wrote there was "
+                f"removed, and the latest complete step is {self.latest_step()}."
+            )
+            raise
+        if always:
+            self._dir.remove_unfinished()
+
+    def _drain(self, restart: bool) -> None:
+        """Waits out a failed save's background threads (they may still be writing), then, in one
+        process, starts orbax afresh: its handlers keep a failed write's error and raise it again
+        at the next save, which would fail a save that has nothing wrong with it."""
+        for _ in range(3):
+            try:
+                self.manager.wait_until_finished()
+                break
+            except Exception:
+                continue
+        if restart and process_count() == 1:
+            with contextlib.suppress(Exception):
+                self.manager.close()
+            self.manager = self._orbax_manager()
 
     def _reader(self, step: int | None, verify: bool) -> Reader:
         if step is None:
             self.manager.reload()
-            step = self.manager.latest_step()
+            step = self.latest_step()
             if step is None:
                 raise FileNotFoundError(f"No checkpoint in {self.directory}.")
         else:
-            step = _check_step(step)
-            if step not in self.manager.all_steps():
+            step = check_step(step)
+            if step not in self.all_steps():
                 raise FileNotFoundError(
                     f"No checkpoint of step {step} in {self.directory}; steps: {list(self.all_steps())}."
                 )
-        where = os.path.join(self.directory, str(step))
+        where = os.path.join(self.directory, self._dir.name(step))
         return Reader(
             where,
             lambda: self.manager.metadata(step),
             lambda args: self.manager.restore(step, args=args),
             verify,
+            step=step,
         )
 
     def restore(
@@ -365,21 +433,27 @@ class CheckpointManager:
 
     def latest_step(self) -> int | None:
         """The newest complete step, or None."""
-        return self.manager.latest_step()
+        steps = self.all_steps()
+        return steps[-1] if steps else None
 
     def all_steps(self) -> Sequence[int]:
-        """The complete steps, oldest first."""
-        return self.manager.all_steps()
+        """The complete steps, oldest first; a warning names each step directory that is not complete."""
+        return self._dir.complete(self.manager.all_steps())
 
     def wait_until_finished(self) -> None:
         """Blocks until pending (async) saves are written and the steps they drop deleted."""
-        self.manager.wait_until_finished()
+        with self._cleaning_up("an asynchronous save", always=True):
+            self.manager.wait_until_finished()
         self._empty_deleted(remove=True)
 
     def close(self) -> None:
-        """Waits for pending saves and releases orbax's resources."""
-        self.manager.close()
-        self._empty_deleted(remove=True)
+        """Waits for pending saves, releases orbax's resources and gives the directory up to other writers."""
+        try:
+            with self._cleaning_up("an asynchronous save", always=True, closing=True):
+                self.manager.close()
+            self._empty_deleted(remove=True)
+        finally:
+            self._dir.release()
 
     def __enter__(self) -> CheckpointManager:
         return self

@@ -19,6 +19,8 @@ import numpy as np
 
 __all__ = [
     "CheckpointError",
+    "CheckpointInUseError",
+    "DonatedOptimizerError",
     "LoadReport",
     "StateDictError",
     "StateDictWarning",
@@ -242,6 +244,52 @@ class CheckpointError(ValueError):
         ... except CheckpointError as e:
         ...     print(str(e).split(":")[0])
         Could not decode 77 bytes as a msgpack state dict
+    """
+
+
+class CheckpointInUseError(RuntimeError):
+    """Another process writes this checkpoint directory; ``.directory`` and ``.holder`` name them.
+
+    A ``CheckpointManager`` takes its directory's lock at its first save and
+    keeps it until closed; ``save(directory, ...)`` holds it while it writes.
+
+    Example:
+        >>> import tempfile, jax.numpy as jnp, optax, treeopt
+        >>> opt = treeopt.Optimizer(optax.sgd(0.1)).init({"w": jnp.ones(2)})
+        >>> directory = tempfile.mkdtemp()
+        >>> first = treeopt.checkpoint.CheckpointManager(directory, enable_async_checkpointing=False)
+        >>> first.save(0, opt)
+        True
+        >>> second = treeopt.checkpoint.CheckpointManager(directory, enable_async_checkpointing=False)
+        >>> try:
+        ...     second.save(1, opt)
+        ... except CheckpointInUseError as e:
+        ...     print(e.holder.split(" (")[0])
+        this process
+        >>> first.close(); second.save(1, opt)
+        True
+        >>> second.close()
+    """
+
+    def __init__(self, message: str, *, directory: str = "", holder: str = ""):
+        super().__init__(message)
+        self.directory = directory
+        self.holder = holder
+
+
+class DonatedOptimizerError(RuntimeError):
+    """An optimizer whose buffers were donated to a jitted step (they are deleted): use the one it returned.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, optax, treeopt
+        >>> opt = treeopt.Optimizer(optax.sgd(0.1)).init({"w": jnp.ones(2)})
+        >>> step = jax.jit(lambda opt: opt, donate_argnums=0)
+        >>> new_opt = step(opt)
+        >>> try:
+        ...     opt.state_dict()
+        ... except DonatedOptimizerError as e:
+        ...     print(str(e).split(":")[0])
+        This optimizer's buffers were donated to a jitted step (donate_argnums/donate_argnames) and are deleted
     """
 
 

@@ -6,7 +6,8 @@ call the public modules (``treeopt``, ``treeopt.serialization``,
 the optimizer's state in another shape uses these to share the core's work
 rather than repeat it: the state-dict engine and its policies, the checksum,
 the checked conversion of hyperparameter values, the names of key paths,
-and the spec derivation that ZeRO-1 builds on.
+the spec derivation that ZeRO-1 builds on, and the check of a spec tree
+against the params.
 
 Example:
     >>> import jax.numpy as jnp
@@ -21,7 +22,7 @@ Example:
 from treeopt._checksum import with_checksum
 from treeopt._engine import BY_KIND, EXACT, Messages, Policy, StateDictSource, Target, load
 from treeopt._paths import path_to_name
-from treeopt._specs import derive_spec, is_spec, per_dimension_axes, spec_leaves_with_names
+from treeopt._specs import derive_spec, flat_param_specs, is_spec, per_dimension_axes, spec_leaves_with_names
 from treeopt._zero import ZeroLeafSpec, zero_leaf_spec
 from treeopt.hyperparams import checked_value
 
@@ -35,6 +36,7 @@ __all__ = [
     "ZeroLeafSpec",
     "checked_value",
     "derive_spec",
+    "flat_param_specs",
     "is_spec",
     "load",
     "path_to_name",

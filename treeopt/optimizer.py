@@ -13,6 +13,7 @@ from jax.tree_util import GetAttrKey
 from treeopt import _state_dict
 from treeopt import hyperparams as _hyperparams
 from treeopt._deprecated import moved_names
+from treeopt._donated import donated, refuse_donated
 from treeopt._master import checked_master_dtype, masters_of
 from treeopt._state_specs import optimizer_state_specs, state_parts
 from treeopt._trace_guard import (
@@ -318,17 +319,21 @@ class Optimizer:
         inputs = flat_inputs(
             self._require_layout(), self._lookahead, self.step, grads, params, apply_updates, extra_args
         )
-        result = flat_step(
-            self.tx,
-            self.step,
-            self.opt_state,
-            inputs.grads,
-            inputs.params,
-            apply_updates=apply_updates,
-            extra_args=inputs.extra_args,
-            master=self.master,
-            param_dtypes=self._master_param_dtypes() if self.master and params is None else None,
-        )
+        try:
+            result = flat_step(
+                self.tx,
+                self.step,
+                self.opt_state,
+                inputs.grads,
+                inputs.params,
+                apply_updates=apply_updates,
+                extra_args=inputs.extra_args,
+                master=self.master,
+                param_dtypes=self._master_param_dtypes() if self.master and params is None else None,
+            )
+        except RuntimeError:  # checked only once JAX refused: the step itself pays nothing
+            refuse_donated(self)
+            raise
         if not is_tracer(self.step) and not concrete_or_eager_autodiff(result.step):
             raise RuntimeError(CAPTURED)  # a trace we could not see from the inputs
         object.__setattr__(self, "step", result.step)
@@ -413,6 +418,7 @@ class Optimizer:
             >>> sd["opt_state"]["0"]["mu"]
             {'dense/kernel': Array([0., 0.], dtype=float32)}
         """
+        refuse_donated(self)
         return _state_dict.state_dict(self)
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> Optimizer:
@@ -525,7 +531,7 @@ class Optimizer:
         if self._layout is None:
             return f"Optimizer(tx={_tx_name(self.tx)}, initialized=False)"
         step = self.step
-        step_text = "traced" if is_tracer(step) else str(jax.device_get(step))
+        step_text = "traced" if is_tracer(step) else "donated" if donated(step) else str(jax.device_get(step))
         return f"Optimizer(tx={_tx_name(self.tx)}, step={step_text}, params={len(self._layout.names)})"
 
 

@@ -10,6 +10,7 @@ array) is an argument, so a new value never recompiles.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -20,7 +21,10 @@ from flax import struct
 
 from treeopt import leaf_names
 from treeopt.errors import TreeMismatchError
+from treeopt.internal import checked_value
 from treeopt.t5x._adafactor_rules import Plan
+
+_FLOAT32 = np.float32(0.0)  # what a hyper param is checked as: a real float32 scalar
 
 
 @struct.dataclass
@@ -115,12 +119,40 @@ def flags_of(values: Mapping[str, Any], skip_nan_updates: Any) -> Flags:
 
 
 def check_learning_rate(hyper_params: Any) -> None:
+    """Refuses a missing learning rate as T5X does, and values that are not numbers as optax optimizers do.
+
+    Each numeric hyper param that is set goes through the core's check of
+    hyperparameter values (a string, a bool, NaN, an array of another shape:
+    an error naming it, the message an optax optimizer gives); the values
+    themselves are used as given.
+
+    Example:
+        >>> from treeopt.t5x.adafactor import Adafactor
+        >>> try:
+        ...     check_learning_rate(Adafactor(0.1).hyper_params.replace(learning_rate="x"))
+        ... except TypeError as e:
+        ...     print(e)
+        Cannot set hyperparameter 'learning_rate' (float32[]): expected a real number, got the string 'x'.
+    """
     if hyper_params.learning_rate is None:
         # T5X asserts; the same exception type, with the way out.
         raise AssertionError(
             "no learning rate provided: pass Adafactor(learning_rate=...) or "
             "optimizer.apply_gradient(grads, learning_rate=...)."
         )
+    for name in ("learning_rate", *NUMERIC):
+        value = getattr(hyper_params, name)
+        if value is not None and not _finite_number(value):
+            checked_value(name, _FLOAT32, value)  # raises, or accepts an array or another kind of number
+
+
+def _finite_number(value: Any) -> bool:
+    """A Python or NumPy real scalar that is finite: the common case, accepted without further checks."""
+    return (
+        isinstance(value, (int, float, np.integer, np.floating))
+        and not isinstance(value, (bool, np.bool_))
+        and math.isfinite(value)
+    )
 
 
 def is_param_state(x: Any) -> bool:

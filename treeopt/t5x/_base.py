@@ -11,10 +11,49 @@ from collections.abc import Mapping
 from typing import Any, Union
 
 import flax.serialization
+import jax
 from flax import struct
 
 from treeopt.internal import with_checksum
+from treeopt.layout import ParamLayout
 from treeopt.t5x import _state
+
+
+def check_grads(params: Any, grads: Any, per_example: bool = False) -> None:
+    """Refuses ``grads`` that do not match ``params`` with the core's error, naming each entry.
+
+    Grads of the params' structure and shapes pass on a comparison of the two
+    (under ``jax.jit``, once, when traced); with ``per_example`` so do grads
+    that all carry the same leading batch axes (``optax.dpsgd`` takes
+    per-example grads). Others are matched by name as
+    :meth:`treeopt.Optimizer.update` matches them, which raises one
+    :class:`treeopt.errors.TreeMismatchError` listing the missing, unexpected
+    and misshaped entries; grads in other containers (a ``dict`` for a
+    ``FrozenDict``) with the same names and shapes pass.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> try:
+        ...     check_grads({"w": jnp.ones((2, 3)), "b": jnp.ones(3)}, {"w": jnp.ones((3, 2))})
+        ... except ValueError as e:
+        ...     print(e.report.missing, e.report.mismatched)
+        ('b',) ()
+        >>> check_grads({"w": jnp.ones((2, 3))}, {"w": jnp.ones((8, 2, 3))}, per_example=True)
+    """
+    param_leaves, param_treedef = jax.tree.flatten(params)
+    grad_leaves, grad_def = jax.tree.flatten(grads)
+    param_def: Any = param_treedef
+    if param_def == grad_def:
+        shapes = [
+            (tuple(getattr(p, "shape", ())), tuple(getattr(g, "shape", ())))
+            for p, g in zip(param_leaves, grad_leaves, strict=True)
+        ]
+        if all(p == g for p, g in shapes):
+            return
+        leading = {g[: len(g) - len(p)] for p, g in shapes if len(g) > len(p) and g[len(g) - len(p) :] == p}
+        if per_example and len(leading) == 1 and all(len(g) > len(p) for p, g in shapes):
+            return
+    ParamLayout.of(params).split_grads(grads)
 
 
 @struct.dataclass

@@ -12,9 +12,9 @@ from flax.core import FrozenDict
 
 from treeopt.internal import is_spec, path_to_name
 from treeopt.t5x import _state
-from treeopt.t5x._base import Optimizer, OptimizerDef, OptimizerState
+from treeopt.t5x._base import Optimizer, OptimizerDef, OptimizerState, check_grads
 from treeopt.t5x._optax import OptaxWrapper
-from treeopt.t5x._partition_rules import key_path, missing_axes_error
+from treeopt.t5x._partition_rules import check_logical_axes, key_path, missing_axes_error
 from treeopt.t5x._zero import with_zero_sharding
 
 
@@ -225,6 +225,7 @@ class MultiOptimizer(OptimizerDef):
                 f"MultiOptimizer has {len(self.sub_optimizers)} sub-optimizers but got "
                 f"{len(hyper_params)} hyper params."
             )
+        check_grads(params, grads, per_example=True)
         split = self._split(params)
         leaves = split.treedef.flatten_up_to(params)
         grad_leaves = split.treedef.flatten_up_to(grads)
@@ -298,6 +299,7 @@ class MultiOptimizer(OptimizerDef):
             True
         """
         target = optimizer.target
+        check_logical_axes(target, param_logical_axes)
         split = self._split(target)
         leaves = split.treedef.flatten_up_to(target)
         by_key = {

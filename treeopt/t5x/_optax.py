@@ -25,7 +25,7 @@ from treeopt.hyperparams import get_hyperparams, set_hyperparams
 from treeopt.internal import checked_value
 from treeopt.step import flat_step
 from treeopt.t5x import _partition_rules, _state
-from treeopt.t5x._base import Optimizer, OptimizerDef, OptimizerState
+from treeopt.t5x._base import Optimizer, OptimizerDef, OptimizerState, check_grads
 from treeopt.t5x._zero import with_zero_sharding
 
 
@@ -229,6 +229,7 @@ class OptaxWrapper(OptimizerDef):
                     "wrap_optax_optimizer(optax.adamw)(...)), or with optax.inject_hyperparams, to "
                     "make it count."
                 )
+        check_grads(params, grads, per_example=True)
         out = flat_step(tx, state.step, opt_state, grads, params)
         new_state = out.opt_state[1] if wrapped else out.opt_state
         return out.output, OptimizerState(step=out.step, param_states=new_state)
@@ -285,6 +286,7 @@ class OptaxWrapper(OptimizerDef):
             >>> axes.state.param_states[0].mu == {"w": P("embed", "mlp")}, axes.state.step
             (True, None)
         """
+        _partition_rules.check_logical_axes(optimizer.target, param_logical_axes)
         shapes = _partition_rules.shapes_of(optimizer.target)
         param_states = _partition_rules.state_axes(optimizer.state.param_states, param_logical_axes, shapes)
         target = _partition_rules.axes_like(optimizer.target, param_logical_axes)

@@ -25,7 +25,8 @@ from jax.sharding import PartitionSpec
 from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey
 
 from treeopt.errors import TreeMismatchError
-from treeopt.internal import derive_spec, is_spec, per_dimension_axes
+from treeopt.internal import derive_spec, flat_param_specs, is_spec, per_dimension_axes
+from treeopt.layout import ParamLayout
 
 KeyPath = tuple[Any, ...]
 Shape = tuple[int, ...]
@@ -216,6 +217,27 @@ def axes_like(tree: Any, params_axes: Any) -> Any:
     if missing:
         raise missing_axes_error(missing)
     return out
+
+
+def check_logical_axes(target: Any, param_logical_axes: Any) -> None:
+    """Refuses axes the core's ``partition_specs`` refuses: unexpected entries, specs longer than the rank.
+
+    The core's own check (the same errors, naming each path): missing and
+    unexpected entries in one ``TreeMismatchError``, a spec with more entries
+    than its param has axes in a ``ValueError``.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from jax.sharding import PartitionSpec as P
+        >>> try:
+        ...     check_logical_axes({"w": jnp.ones(3)}, {"w": P("embed"), "zz": P()})
+        ... except TreeMismatchError as e:
+        ...     print(str(e).splitlines()[0], e.report.unexpected)
+        param_logical_axes do not match the optimizer target: ('zz',)
+    """
+    flat_param_specs(
+        param_logical_axes, ParamLayout.of(target), what="param_logical_axes", against="the optimizer target"
+    )
 
 
 def missing_axes_error(missing: list[str]) -> TreeMismatchError:

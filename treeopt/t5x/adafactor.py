@@ -72,7 +72,8 @@ from treeopt.t5x._adafactor_step import (
     param_update,
     truthy,
 )
-from treeopt.t5x._partition_rules import missing_axes_error
+from treeopt.t5x._base import check_grads
+from treeopt.t5x._partition_rules import check_logical_axes, missing_axes_error
 from treeopt.t5x._zero import with_zero_sharding
 from treeopt.t5x.optimizers import Optimizer, OptimizerDef, OptimizerState
 
@@ -371,6 +372,7 @@ class Adafactor(OptimizerDef):
             >>> new_params["x"][0], int(new_state.step)
             (Array([0.9, 0.9], dtype=float32), 1)
         """
+        check_grads(params, grads)
         leaves, treedef = jax.tree.flatten(params)
         names, plans = self._plans_for(treedef, leaves, params, hyper_params.multiply_by_parameter_scale)
         states = leaves_like(treedef, names, state.param_states, is_param_state)
@@ -479,6 +481,7 @@ class Adafactor(OptimizerDef):
             (True, True, None, None)
         """
         target = optimizer_state.target
+        check_logical_axes(target, param_logical_axes)
         leaves, treedef = jax.tree.flatten(target)
         names = leaf_names(target)
         by_name = dict(spec_leaves_with_names(param_logical_axes))

@@ -1,0 +1,168 @@
+"""One writer per checkpoint directory: a lock file that names the process holding it.
+
+Two jobs writing one directory (a restarted job and its zombie predecessor)
+would overwrite or delete each other's checkpoints. So a writer holds an
+exclusive ``fcntl.flock`` on a lock file while it writes, and writes its
+host, pid and start time into the file so that a second writer's error can
+name it. The kernel releases the lock when its holder exits, however it
+exits (SIGKILL included): a lock file that a dead process left behind is not
+locked, and the next writer takes it over without having to guess from a
+pid whether its holder is alive (on NFS the server releases it once the
+dead client's lease expires).
+
+The holder deletes the file when it releases the lock. A process that opened
+the file just before that and locks it just after holds a lock on a deleted
+file, so :meth:`WriterLock.acquire` checks that the path still names the
+file it locked, and starts again otherwise.
+
+Example:
+    >>> import os, tempfile
+    >>> path = os.path.join(tempfile.mkdtemp(), ".treeopt-lock")
+    >>> first, second = WriterLock(path, "/data/run"), WriterLock(path, "/data/run")
+    >>> first.acquire()
+    >>> try:
+    ...     second.acquire()
+    ... except CheckpointInUseError as e:
+    ...     print(str(e).split(":")[0])
+    Another writer holds the checkpoint directory /data/run
+    >>> first.release(); second.acquire(); second.held
+    True
+    >>> second.release(); os.path.exists(path)
+    False
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import fcntl
+import json
+import os
+import socket
+import time
+from typing import Any
+
+from treeopt.errors import CheckpointInUseError
+
+__all__ = ["TIDYING", "WriterLock"]
+
+
+# A manager that opens a directory no one writes holds the lock for a moment to tidy it; a
+# writer that meets such a holder waits for it (polling), up to this long, instead of failing.
+TIDYING = "tidying"
+_WAIT_FOR_TIDYING_S = 30.0
+_POLL_S = 0.05
+
+
+def _record(purpose: str) -> bytes:
+    """What the lock file says about its holder: this process, and what it holds the lock for."""
+    now = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    record = {"host": socket.gethostname(), "pid": os.getpid(), "since": now, "purpose": purpose}
+    return json.dumps(record).encode()
+
+
+def _read(fd: int) -> Any:
+    try:
+        return json.loads(os.pread(fd, 4096, 0) or b"null")
+    except (OSError, ValueError):
+        return None
+
+
+def _holder(record: Any) -> str:
+    """The holder a lock file's record names, in words."""
+    try:
+        host, pid, since = record["host"], int(record["pid"]), record["since"]
+    except (TypeError, KeyError, ValueError):
+        return "a process that has not written its name yet (it is starting)"
+    if host == socket.gethostname() and pid == os.getpid():
+        return (
+            f"this process (pid {pid} on host {host}, since {since}): another CheckpointManager "
+            "or save of this directory is still open in it; close that one first"
+        )
+    return f"process {pid} on host {host} (since {since})"
+
+
+class WriterLock:
+    """The exclusive right to write the checkpoint ``directory``, held through the lock file ``path``."""
+
+    def __init__(self, path: str, directory: str):
+        self.path = path
+        self.directory = directory
+        self._fd: int | None = None
+
+    @property
+    def held(self) -> bool:
+        """Whether this object holds the lock."""
+        return self._fd is not None
+
+    def acquire(self, purpose: str = "writing") -> None:
+        """Takes the lock, or raises :class:`CheckpointInUseError` naming its holder.
+
+        It waits only for a holder that is tidying the directory (a moment);
+        for a writer it fails at once.
+        """
+        deadline = time.monotonic() + _WAIT_FOR_TIDYING_S
+        while self._fd is None:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                record = _read(fd)
+                os.close(fd)
+                tidying = isinstance(record, dict) and record.get("purpose") == TIDYING
+                if tidying and purpose != TIDYING and time.monotonic() < deadline:
+                    time.sleep(_POLL_S)
+                    continue
+                raise self._in_use(_holder(record)) from None
+            if not self._is_at_path(fd):  # its previous holder deleted it meanwhile: lock the one there now
+                os.close(fd)
+                continue
+            self._fd = fd
+            try:
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, _record(purpose), 0)
+            except OSError:  # a full disk: the lock holds all the same, its file just does not name us
+                pass
+
+    def _in_use(self, holder: str) -> CheckpointInUseError:
+        return CheckpointInUseError(
+            f"Another writer holds the checkpoint directory {self.directory}: {holder}. Its lock "
+            f"file is {self.path}. Two writers on one directory would overwrite and delete each "
+            "other's checkpoints. Stop the other job (a previous run of this one still running?) "
+            "or write to another directory; reading is unaffected. The lock is released when its "
+            "holder closes the directory or exits, however it exits.",
+            directory=self.directory,
+            holder=holder,
+        )
+
+    def _is_at_path(self, fd: int) -> bool:
+        try:
+            return os.stat(self.path).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            return False
+
+    def abandon(self) -> None:
+        """Lets the lock go as the death of the process would: the file stays, for the next writer to take over."""
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    def __del__(self) -> None:
+        try:
+            self.abandon()  # dropped without release (a manager never closed)
+        except Exception:  # at interpreter exit the os module may be gone: the kernel closes it then
+            pass
+
+    def release(self) -> None:
+        """Deletes the lock file and releases the lock (a no-op when not held)."""
+        fd, self._fd = self._fd, None
+        if fd is None:
+            return
+        try:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+        finally:
+            os.close(fd)
