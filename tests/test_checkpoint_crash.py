@@ -35,7 +35,8 @@ import optax
 import pytest
 
 import treeopt
-from treeopt import serialization as ser
+from treeopt import checkpoint as ckpt
+from treeopt.errors import CheckpointError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PARAMS = {"w": jnp.zeros(4)}
@@ -60,12 +61,12 @@ def check_values(opt, params):
 
 
 def restored_step(path):
-    return check_values(*ser.restore(path, TARGET, params=ABSTRACT_PARAMS))
+    return check_values(*ckpt.restore(path, TARGET, params=ABSTRACT_PARAMS))
 
 
 def manager_steps(directory):
     """The steps a freshly opened manager lists, after checking that each restores whole."""
-    with ser.CheckpointManager(directory, enable_async_checkpointing=False) as manager:
+    with ckpt.CheckpointManager(directory, enable_async_checkpointing=False) as manager:
         steps = list(manager.all_steps())
         for step in steps:
             assert check_values(*manager.restore(TARGET, params=ABSTRACT_PARAMS, step=step)) == step
@@ -104,7 +105,7 @@ def siblings(path):
 )
 def test_a_step_that_is_not_a_non_negative_integer_is_refused(tmp_path, step, error, words):
     opt, _ = state_at(1)
-    with ser.CheckpointManager(tmp_path, enable_async_checkpointing=False) as manager:
+    with ckpt.CheckpointManager(tmp_path, enable_async_checkpointing=False) as manager:
         with pytest.raises(error, match="non-negative integer") as info:
             manager.save(step, opt)
         assert words in str(info.value)
@@ -121,7 +122,7 @@ def test_a_step_that_is_not_a_non_negative_integer_is_refused(tmp_path, step, er
 
 
 def test_integer_steps_of_every_kind_are_accepted(tmp_path):
-    with ser.CheckpointManager(tmp_path, enable_async_checkpointing=False) as manager:
+    with ckpt.CheckpointManager(tmp_path, enable_async_checkpointing=False) as manager:
         assert manager.save(0, *state_at(0))
         assert manager.save(np.int32(1), *state_at(1))
         assert manager.save(np.uint64(2), *state_at(2))
@@ -145,7 +146,7 @@ def test_integer_steps_of_every_kind_are_accepted(tmp_path):
 )
 def test_max_to_keep_must_be_none_or_at_least_one(tmp_path, value, error, words):
     with pytest.raises(error, match=r"max_to_keep must be None \(keep every step\) or an int >= 1") as info:
-        ser.CheckpointManager(tmp_path, max_to_keep=value)
+        ckpt.CheckpointManager(tmp_path, max_to_keep=value)
     assert words in str(info.value)
     assert os.listdir(tmp_path) == []
 
@@ -155,13 +156,13 @@ def test_max_to_keep_of_options_is_checked_too(tmp_path, value, error):
     import orbax.checkpoint as ocp
 
     with pytest.raises(error, match=r"options\.max_to_keep must be None \(keep every step\) or an int >= 1"):
-        ser.CheckpointManager(tmp_path, options=ocp.CheckpointManagerOptions(max_to_keep=value))
+        ckpt.CheckpointManager(tmp_path, options=ocp.CheckpointManagerOptions(max_to_keep=value))
 
 
 @pytest.mark.parametrize("value, error", [(0, ValueError), (-1, ValueError), (2.5, TypeError), (False, TypeError)])
 def test_save_interval_steps_must_be_at_least_one(tmp_path, value, error):
     with pytest.raises(error, match=r"save_interval_steps must be an int >= 1, got"):
-        ser.CheckpointManager(tmp_path, save_interval_steps=value)
+        ckpt.CheckpointManager(tmp_path, save_interval_steps=value)
 
 
 # -- damaged checkpoints say so ----------------------------------------------------------------
@@ -179,7 +180,7 @@ def _rmtree_order(directory):
 def test_a_half_deleted_checkpoint_is_reported_as_damaged(tmp_path):
     """Each point of an interrupted deletion: restore succeeds whole, or says the checkpoint is damaged."""
     good = tmp_path / "good"
-    ser.save(good, *state_at(5))
+    ckpt.save(good, *state_at(5))
     order = _rmtree_order(good)
     failures = 0
     for count in range(1, len(order)):
@@ -194,8 +195,8 @@ def test_a_half_deleted_checkpoint_is_reported_as_damaged(tmp_path):
                 path.unlink()
         for kwargs in ({"params": ABSTRACT_PARAMS}, {}):
             try:
-                restored = ser.restore(bad, TARGET, **kwargs)
-            except (ser.CheckpointError, FileNotFoundError) as e:
+                restored = ckpt.restore(bad, TARGET, **kwargs)
+            except (CheckpointError, FileNotFoundError) as e:
                 failures += 1
                 message = str(e)
                 assert "damaged or incomplete" in message, (order[:count], message)
@@ -208,17 +209,17 @@ def test_a_half_deleted_checkpoint_is_reported_as_damaged(tmp_path):
 
 
 def test_a_missing_params_item_is_damage_when_the_metadata_lists_it(tmp_path):
-    ser.save(tmp_path / "c", *state_at(1))
+    ckpt.save(tmp_path / "c", *state_at(1))
     shutil.rmtree(tmp_path / "c" / "params")
-    with pytest.raises(ser.CheckpointError, match="damaged or incomplete: it was saved with params"):
-        ser.restore(tmp_path / "c", TARGET, params=ABSTRACT_PARAMS)
+    with pytest.raises(CheckpointError, match="damaged or incomplete: it was saved with params"):
+        ckpt.restore(tmp_path / "c", TARGET, params=ABSTRACT_PARAMS)
     (tmp_path / "c" / "_CHECKPOINT_METADATA").unlink()
-    with pytest.raises(ser.CheckpointError, match="saved without them, or it is damaged or incomplete"):
-        ser.restore(tmp_path / "c", TARGET, params=ABSTRACT_PARAMS)
+    with pytest.raises(CheckpointError, match="saved without them, or it is damaged or incomplete"):
+        ckpt.restore(tmp_path / "c", TARGET, params=ABSTRACT_PARAMS)
 
-    ser.save(tmp_path / "alone", state_at(1)[0])  # saved without params: the metadata says so
-    with pytest.raises(ser.CheckpointError, match="metadata says it was saved without them"):
-        ser.restore(tmp_path / "alone", TARGET, params=ABSTRACT_PARAMS)
+    ckpt.save(tmp_path / "alone", state_at(1)[0])  # saved without params: the metadata says so
+    with pytest.raises(CheckpointError, match="metadata says it was saved without them"):
+        ckpt.restore(tmp_path / "alone", TARGET, params=ABSTRACT_PARAMS)
 
 
 # -- forced overwrites: each state an interruption can leave --------------------------------
@@ -228,7 +229,7 @@ def _arrange(tmp_path, layout):
     """``tmp_path/ckpt`` and its siblings as ``layout`` says: ``{suffix: step}``."""
     for suffix, step in layout.items():
         scratch = tmp_path / f"scratch{step}"
-        ser.save(scratch, *state_at(step))
+        ckpt.save(scratch, *state_at(step))
         os.rename(scratch, f"{tmp_path / 'ckpt'}{suffix}")
     return tmp_path / "ckpt"
 
@@ -247,12 +248,12 @@ def _arrange(tmp_path, layout):
 def test_restore_reads_the_newest_committed_checkpoint_and_save_clears_the_rest(tmp_path, layout, expected):
     path = _arrange(tmp_path, layout)
     assert restored_step(path) == expected
-    assert int(ser.restore_state_dict(path)["step"]) == expected
+    assert int(ckpt.restore_state_dict(path)["step"]) == expected
     with pytest.raises(ValueError, match="exists"):  # the checkpoint is there, under another name
-        ser.save(path, *state_at(3))
+        ckpt.save(path, *state_at(3))
     assert restored_step(path) == expected
     assert siblings(path) == ["ckpt"]  # settled, and the debris deleted
-    ser.save(path, *state_at(4), force=True)
+    ckpt.save(path, *state_at(4), force=True)
     assert restored_step(path) == 4
     assert siblings(path) == ["ckpt"]
 
@@ -355,7 +356,7 @@ def short_orbax_waits(monkeypatch):
 @pytest.mark.usefixtures("short_orbax_waits")
 def test_a_forced_save_killed_at_any_filesystem_operation_loses_nothing(tmp_path):
     template = tmp_path / "template"
-    ser.save(template / "ckpt", *state_at(1))
+    ckpt.save(template / "ckpt", *state_at(1))
 
     def fresh_copy():
         work = tmp_path / "work"
@@ -365,7 +366,7 @@ def test_a_forced_save_killed_at_any_filesystem_operation_loses_nothing(tmp_path
 
     path = fresh_copy()
     with _DieAt() as record:  # the whole save, operation by operation
-        ser.save(path, *state_at(2), force=True)
+        ckpt.save(path, *state_at(2), force=True)
     assert restored_step(path) == 2 and siblings(path) == ["ckpt"]
     names = [name for name, _ in record.operations]
     # orbax's writes, the renames of the commit and the deletion of the old checkpoint
@@ -375,15 +376,15 @@ def test_a_forced_save_killed_at_any_filesystem_operation_loses_nothing(tmp_path
     for at in points:
         path = fresh_copy()
         with _DieAt(at) as death:
-            ser.save(path, *state_at(2), force=True)
+            ckpt.save(path, *state_at(2), force=True)
         assert death.dead, (at, record.operations)
         got = restored_step(path)
         outcomes.append(got)
         # The next run starts from this debris: killed at the same point once more, then a full save.
         with _DieAt(at):
-            ser.save(path, *state_at(3), force=True)
+            ckpt.save(path, *state_at(3), force=True)
         assert restored_step(path) in (got, 3)
-        ser.save(path, *state_at(4), force=True)
+        ckpt.save(path, *state_at(4), force=True)
         assert restored_step(path) == 4
         assert siblings(path) == ["ckpt"]
     # one commit point: the old checkpoint up to it, the new one after, never back
@@ -394,7 +395,7 @@ def test_a_forced_save_killed_at_any_filesystem_operation_loses_nothing(tmp_path
 @pytest.mark.usefixtures("short_orbax_waits")
 def test_a_manager_killed_at_any_filesystem_operation_lists_only_steps_that_restore(tmp_path):
     template = tmp_path / "template"
-    with ser.CheckpointManager(template, max_to_keep=2, enable_async_checkpointing=False) as manager:
+    with ckpt.CheckpointManager(template, max_to_keep=2, enable_async_checkpointing=False) as manager:
         for step in (1, 2):
             manager.save(step, *state_at(step))
 
@@ -402,7 +403,7 @@ def test_a_manager_killed_at_any_filesystem_operation_lists_only_steps_that_rest
         work = tmp_path / "work"
         shutil.rmtree(work, ignore_errors=True)
         shutil.copytree(template, work)
-        return work, ser.CheckpointManager(work, max_to_keep=2, enable_async_checkpointing=False)
+        return work, ckpt.CheckpointManager(work, max_to_keep=2, enable_async_checkpointing=False)
 
     work, manager = fresh_copy()
     with _DieAt() as record:  # the whole save, operation by operation
@@ -423,7 +424,7 @@ def test_a_manager_killed_at_any_filesystem_operation_lists_only_steps_that_rest
         steps = manager_steps(work)  # every listed step restores
         assert steps in ([1, 2], [1, 2, 3], [2, 3]), steps
         outcomes.append(steps)
-        with ser.CheckpointManager(work, max_to_keep=2, enable_async_checkpointing=False) as reopened:
+        with ckpt.CheckpointManager(work, max_to_keep=2, enable_async_checkpointing=False) as reopened:
             assert reopened.save(4, *state_at(4))
         assert manager_steps(work) == [steps[-1], 4]
         assert dropped_steps_left(work) == []
@@ -437,7 +438,7 @@ _CHILD = textwrap.dedent(
     import sys
     import jax, jax.numpy as jnp, numpy as np, optax
     import treeopt
-    from treeopt import serialization as ser
+    from treeopt import checkpoint as ckpt
 
     mode, directory, step, scratch = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
     base = treeopt.Optimizer(optax.adam(0.1)).init({"w": jnp.zeros(4)})
@@ -446,14 +447,14 @@ _CHILD = textwrap.dedent(
         sd = jax.tree.map(lambda x: np.full(x.shape, step, x.dtype), base.state_dict())
         return base.load_state_dict(sd), {"w": jnp.full(4, -step, jnp.float32)}
 
-    ser.save(scratch, *state_at(0), force=True)  # imports and compilation before the clock starts
+    ckpt.save(scratch, *state_at(0), force=True)  # imports and compilation before the clock starts
     if mode == "manager":
-        manager = ser.CheckpointManager(directory, max_to_keep=2)
+        manager = ckpt.CheckpointManager(directory, max_to_keep=2)
     print("READY", flush=True)
     while True:
         opt, params = state_at(step)
         if mode == "save":
-            ser.save(directory, opt, params, force=True)
+            ckpt.save(directory, opt, params, force=True)
         else:
             manager.save(step, opt, params)
             manager.wait_until_finished()
@@ -534,7 +535,7 @@ def _kill_at_random_instants(tmp_path, mode, watched, trials, check):
 
 def test_forced_saves_killed_at_random_instants_never_lose_the_newest_checkpoint(tmp_path):
     path = tmp_path / "saves" / "ckpt"
-    ser.save(path, *state_at(0))
+    ckpt.save(path, *state_at(0))
     newest = [0]
 
     def check(trial, first, saved):
@@ -547,7 +548,7 @@ def test_forced_saves_killed_at_random_instants_never_lose_the_newest_checkpoint
         newest.append(got)
 
     _kill_at_random_instants(tmp_path, "save", path.parent, 12, check)
-    ser.save(path, *state_at(10_000), force=True)
+    ckpt.save(path, *state_at(10_000), force=True)
     assert restored_step(path) == 10_000
     assert siblings(path) == ["ckpt"]
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -22,12 +22,15 @@ from treeopt._trace_guard import (
     is_tracer,
     strong,
 )
-from treeopt._update_inputs import flat_inputs
+from treeopt._update_inputs import FlatInputs, flat_inputs
 from treeopt.layout import ParamLayout, Wrt, is_lookahead
 from treeopt.step import flat_step, stable_dtypes
 from treeopt.typing import Params, ParamSpecs, StateDict, Updates
 
 __all__ = ["Optimizer"]
+
+if TYPE_CHECKING:  # imported here, it would shadow the moved name below
+    from treeopt.step import FlatStep
 
 __getattr__ = moved_names(__name__, {"FlatStep": "treeopt.step"})
 
@@ -319,8 +322,19 @@ class Optimizer:
         inputs = flat_inputs(
             self._require_layout(), self._lookahead, self.step, grads, params, apply_updates, extra_args
         )
+        result = self._step_on(inputs, apply_updates, params_given=params is not None)
+        if not is_tracer(self.step) and not concrete_or_eager_autodiff(result.step):
+            raise RuntimeError(CAPTURED)  # a trace we could not see from the inputs
+        object.__setattr__(self, "step", result.step)
+        object.__setattr__(self, "opt_state", result.opt_state)
+        if result.master is not None:
+            object.__setattr__(self, "master", result.master)
+        return inputs.rebuild(result.output)
+
+    def _step_on(self, inputs: FlatInputs, apply_updates: bool, params_given: bool) -> FlatStep:
+        """``flat_step`` on checked inputs; a donated optimizer is named only once JAX refused it."""
         try:
-            result = flat_step(
+            return flat_step(
                 self.tx,
                 self.step,
                 self.opt_state,
@@ -329,18 +343,11 @@ class Optimizer:
                 apply_updates=apply_updates,
                 extra_args=inputs.extra_args,
                 master=self.master,
-                param_dtypes=self._master_param_dtypes() if self.master and params is None else None,
+                param_dtypes=self._master_param_dtypes() if self.master and not params_given else None,
             )
-        except RuntimeError:  # checked only once JAX refused: the step itself pays nothing
+        except RuntimeError:  # checked only after the failure: the step itself pays nothing
             refuse_donated(self)
             raise
-        if not is_tracer(self.step) and not concrete_or_eager_autodiff(result.step):
-            raise RuntimeError(CAPTURED)  # a trace we could not see from the inputs
-        object.__setattr__(self, "step", result.step)
-        object.__setattr__(self, "opt_state", result.opt_state)
-        if result.master is not None:
-            object.__setattr__(self, "master", result.master)
-        return inputs.rebuild(result.output)
 
     def _master_param_dtypes(self) -> dict[str, Any]:
         """``{name: dtype}`` of the params that have a master, as ``init`` saw them."""
