@@ -26,15 +26,17 @@ Example:
     ...     optimizer.update(model, grads)
     ...     return loss
     >>> losses = [float(train_step(model, optimizer, jnp.ones((4, 2)), jnp.zeros((4, 1)))) for _ in range(3)]
-    >>> losses[2] < losses[0], int(optimizer.step[...]), optimizer.treeopt.get_value().paths
+    >>> losses[2] < losses[0], int(optimizer.step[...]), optimizer.paths
     (True, 3, ('bias', 'kernel'))
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping, Sequence
 from typing import Any, Generic, TypeVar
 
+import flax
 import jax
 import optax
 from flax import nnx
@@ -56,7 +58,7 @@ class Optimizer(nnx.Pytree, Generic[M]):
 
     The state is ``treeopt``, an ``nnx.OptState`` variable whose value is the
     :class:`treeopt.Optimizer` trained on ``nnx.state(model, wrt)``: read it
-    with ``optimizer.treeopt.get_value()`` and replace it (a restored
+    with ``optimizer.treeopt.get_value()`` (``.value`` on flax 0.12.0) and replace it (a restored
     checkpoint, a sharded copy) with ``optimizer.treeopt.set_value(...)``.
 
     Args:
@@ -93,7 +95,7 @@ class Optimizer(nnx.Pytree, Generic[M]):
         graph: bool | None = None,
         **kwargs: Any,
     ):
-        params = nnx.as_pure(nnx.state(model, wrt, graph=graph))
+        params = _as_pure(_state(model, wrt, graph=graph))
         if not jax.tree.leaves(params):
             raise ValueError(_empty_selection_message(model, wrt, graph))
         self.tx = tx
@@ -163,12 +165,12 @@ class Optimizer(nnx.Pytree, Generic[M]):
                 f"optimizer.update(model, grads); got {type(model).__name__} where the model goes and the "
                 f"nnx Module {type(grads).__name__} where the gradients go."
             )
-        params = nnx.as_pure(nnx.state(model, self.wrt, graph=self.graph))
-        grads = nnx.as_pure(nnx.state(grads, self.wrt, graph=self.graph))
-        core = self.treeopt.get_value()
-        updates = core.update(grads, params, apply_updates=False, **nnx.as_pure(kwargs))
+        params = _as_pure(_state(model, self.wrt, graph=self.graph))
+        grads = _as_pure(_state(grads, self.wrt, graph=self.graph))
+        core = self._core()
+        updates = core.update(grads, params, apply_updates=False, **_as_pure(kwargs))
         nnx.update(model, _apply_updates(params, updates))
-        self.treeopt.set_value(core)
+        _set_value(self.treeopt, core)
         return updates
 
     # -- what treeopt adds -----------------------------------------------------------
@@ -212,9 +214,9 @@ class Optimizer(nnx.Pytree, Generic[M]):
             >>> round(float(optimizer.b1), 3)
             0.8
         """
-        core = self.treeopt.get_value()
+        core = self._core()
         core.set_hyperparams(values, **kwargs)
-        self.treeopt.set_value(core)
+        _set_value(self.treeopt, core)
 
     def state_dict(self) -> StateDict:
         """The state as nested plain dicts keyed by parameter name (:meth:`treeopt.Optimizer.state_dict`).
@@ -242,7 +244,7 @@ class Optimizer(nnx.Pytree, Generic[M]):
             >>> int(fresh.step[...])
             1
         """
-        self.treeopt.set_value(self._core().load_state_dict(state_dict, strict=strict))
+        _set_value(self.treeopt, self._core().load_state_dict(state_dict, strict=strict))
 
     def partition_specs(
         self,
@@ -266,11 +268,11 @@ class Optimizer(nnx.Pytree, Generic[M]):
             >>> model = nnx.Linear(2, 4, rngs=nnx.Rngs(0))
             >>> optimizer = treeopt.nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
             >>> specs = optimizer.partition_specs({"kernel": P(None, "model"), "bias": P("model")})
-            >>> specs.opt_state[0].mu["kernel"]
-            P(None, 'model')
+            >>> specs.opt_state[0].mu["kernel"] == P(None, "model")
+            True
         """
         if isinstance(param_specs, nnx.State) and _holds_variables(param_specs):
-            param_specs = nnx.as_pure(nnx.filter_state(param_specs, self.wrt))
+            param_specs = _as_pure(nnx.filter_state(param_specs, self.wrt))
         return self._core().partition_specs(param_specs, shard_state_over=shard_state_over, mesh=mesh)
 
     # -- hyperparameters as attributes, as treeopt.Optimizer reads them ---------------
@@ -285,7 +287,7 @@ class Optimizer(nnx.Pytree, Generic[M]):
                 f"{type(self).__name__} has no 'model', as nnx.Optimizer has none: "
                 "use treeopt.nnx.ModelAndOptimizer, which keeps the model."
             )
-        found = state.get_raw_value().hyperparams
+        found = _raw_value(state).hyperparams
         if name in found:
             return found[name]
         raise AttributeError(
@@ -296,13 +298,13 @@ class Optimizer(nnx.Pytree, Generic[M]):
     def __setattr__(self, name: str, value: Any) -> None:
         state = vars(self).get("treeopt")
         if state is not None and name not in _OWN and name not in vars(self):
-            if name == "learning_rate" or name in state.get_raw_value().hyperparams:
+            if name == "learning_rate" or name in _raw_value(state).hyperparams:
                 self.set_hyperparams({name: value})  # a clear error where tx has no such hyperparameter
                 return
         super().__setattr__(name, value)
 
     def _core(self) -> treeopt.Optimizer:
-        core: treeopt.Optimizer = self.treeopt.get_raw_value()
+        core: treeopt.Optimizer = _raw_value(self.treeopt)
         return core
 
 
@@ -355,9 +357,39 @@ def _holds_variables(state: Any) -> bool:
     )
 
 
+# flax 0.12.0 reads and writes a Variable's value as `.value`; later versions deprecate that
+# for get_value / set_value (get_raw_value: without the Variable's hooks).
+def _raw_value(variable: nnx.Variable[Any]) -> Any:
+    return variable.get_raw_value() if hasattr(type(variable), "get_raw_value") else variable.value
+
+
+def _set_value(variable: nnx.Variable[Any], value: Any) -> None:
+    if hasattr(type(variable), "set_value"):
+        variable.set_value(value)
+    else:
+        variable.value = value
+
+
+def _as_pure(tree: Any) -> Any:
+    """``tree`` with every nnx ``Variable`` replaced by its value (``nnx.pure`` before flax 0.12.7)."""
+    return (nnx.as_pure if hasattr(nnx, "as_pure") else nnx.pure)(tree)
+
+
+def _state(node: Any, *filters: Any, graph: bool | None) -> Any:
+    """``nnx.state(node, *filters, graph=graph)``; flax before 0.12.8 has only the default mode."""
+    if graph is None:
+        return nnx.state(node, *filters)
+    if "graph" not in inspect.signature(nnx.state).parameters:
+        raise TypeError(
+            f"graph={graph} needs flax 0.12.8 or newer (nnx graph and tree modes); flax "
+            f"{flax.__version__} is installed. Leave graph=None, or upgrade flax."
+        )
+    return nnx.state(node, *filters, graph=graph)
+
+
 def _empty_selection_message(model: Any, wrt: Any, graph: bool | None) -> str:
     """Why nothing would train: the ``wrt``, and a few of the model's variables with their types."""
-    variables = nnx.to_flat_state(nnx.state(model, graph=graph))
+    variables = nnx.to_flat_state(_state(model, graph=graph))
     found = [f"'{'/'.join(map(str, path))}' ({type(v).__name__})" for path, v in list(variables)[:8]]
     more = f", ... ({len(variables)} in all)" if len(variables) > len(found) else ""
     text = wrt.__name__ if isinstance(wrt, type) else repr(wrt)
