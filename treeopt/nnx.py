@@ -33,7 +33,7 @@ Example:
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Generic, TypeVar
 
 import flax
@@ -370,16 +370,18 @@ def _set_value(variable: nnx.Variable[Any], value: Any) -> None:
         variable.value = value
 
 
-def _as_pure(tree: Any) -> Any:
-    """``tree`` with every nnx ``Variable`` replaced by its value (``nnx.pure`` before flax 0.12.7)."""
-    return (nnx.as_pure if hasattr(nnx, "as_pure") else nnx.pure)(tree)
+# A tree with every nnx Variable replaced by its value: nnx.pure before flax 0.12.7.
+_as_pure: Callable[[Any], Any] = getattr(nnx, "as_pure", None) or nnx.pure
+
+# Graph and tree modes (graph=) came in flax 0.12.8; read once, not on every update.
+_GRAPH_MODES = "graph" in inspect.signature(nnx.state).parameters
 
 
 def _state(node: Any, *filters: Any, graph: bool | None) -> Any:
     """``nnx.state(node, *filters, graph=graph)``; flax before 0.12.8 has only the default mode."""
     if graph is None:
         return nnx.state(node, *filters)
-    if "graph" not in inspect.signature(nnx.state).parameters:
+    if not _GRAPH_MODES:
         raise TypeError(
             f"graph={graph} needs flax 0.12.8 or newer (nnx graph and tree modes); flax "
             f"{flax.__version__} is installed. Leave graph=None, or upgrade flax."
