@@ -469,13 +469,7 @@ def test_load_state_dict_resumes_in_place():
     fresh.load_state_dict(saved_opt)
     nnx.update(fresh_model, saved_model)
 
-    @nnx.jit
-    def train_step(model, optimizer):
-        loss, grads = nnx.value_and_grad(loss_fn)(model)
-        optimizer.update(model, grads)
-        return loss
-
-    assert [float(train_step(fresh_model, fresh)) for _ in range(3)] == expected[3:]
+    assert [float(nnx_jit_step(fresh_model, fresh)) for _ in range(3)] == expected[3:]
     assert_same_model(fresh_model, expected_model)
 
 
@@ -492,13 +486,7 @@ def test_a_checkpoint_of_the_treeopt_state_resumes_bit_for_bit(tmp_path):
     set_core(optimizer, core)
     nnx.update(model, state)
 
-    @nnx.jit
-    def train_step(model, optimizer):
-        loss, grads = nnx.value_and_grad(loss_fn)(model)
-        optimizer.update(model, grads)
-        return loss
-
-    assert [float(train_step(model, optimizer)) for _ in range(STEPS - 2)] == expected[2:]
+    assert [float(nnx_jit_step(model, optimizer)) for _ in range(STEPS - 2)] == expected[2:]
 
 
 def test_partition_specs_from_the_models_specs_and_zero_over_data():
