@@ -184,7 +184,7 @@ def _master_step(
         params = {k: master[k] for k in flat_grads} if set(flat_grads) <= set(master) else None
         dtypes = dict(param_dtypes or {})
     updates, new_state = tx.update(grads, opt_state, params, **extra_args)
-    new_master = optax.apply_updates({k: master[k] for k in master}, {k: updates[k] for k in master})
+    new_master = optax.apply_updates(dict(master), {k: updates[k] for k in master})
     out = {}
     for k in flat_grads:
         if k not in master:
