@@ -1,12 +1,19 @@
-"""Assertions shared by the test modules: trees compared leaf by leaf."""
+"""Helpers shared by the test modules: trees compared leaf by leaf, the repository, code blocks of pages."""
 
 from __future__ import annotations
 
+import re
+import textwrap
+from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec
+
+ROOT = Path(__file__).resolve().parents[1]
+"""The repository's root."""
 
 
 def assert_trees_equal(actual: Any, expected: Any) -> None:
@@ -33,3 +40,25 @@ def assert_trees_close(actual: Any, expected: Any, *, same_dtypes: bool = False,
 def _comparable(x: Any) -> np.ndarray:
     x = np.asarray(x)
     return x.astype(np.float64) if jnp.issubdtype(x.dtype, jnp.floating) else x
+
+
+FENCE = re.compile(
+    r"^(?P<indent>[ \t]*)(?P<fence>```+)(?P<info>[^\n`]*)\n(?P<body>.*?)^(?P=indent)(?P=fence)[ \t]*$",
+    re.M | re.S,
+)
+
+
+def python_blocks(text: str) -> list[tuple[int, str]]:
+    """``(line number, code)`` of every fenced block whose language is exactly ``python``."""
+    blocks = []
+    for match in FENCE.finditer(text):
+        info = match["info"].strip().split()
+        if info and info[0] in ("python", "{.python"):
+            line = text.count("\n", 0, match.start("body")) + 1
+            blocks.append((line, textwrap.dedent(match["body"])))
+    return blocks
+
+
+def is_spec(x: Any) -> bool:
+    """A leaf of a spec tree: a ``PartitionSpec`` or ``None`` (replicated)."""
+    return x is None or isinstance(x, PartitionSpec)

@@ -16,9 +16,9 @@ from treeopt import (  # serialization registers Optimizer with flax
     step,
     typing,
 )
-from treeopt._paths import leaf_names
+from treeopt._tree.masks import labels, mask, name_matcher
+from treeopt._tree.paths import leaf_names
 from treeopt.hyperparams import get_hyperparams, set_hyperparams
-from treeopt.masks import labels, mask, name_matcher
 from treeopt.optimizer import Optimizer
 
 __all__ = [

@@ -24,8 +24,8 @@ import os
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from treeopt._checkpoint_dir import ManagedDirectory, agreed, is_primary, process_count
-from treeopt._checkpoint_items import (
+from treeopt._checkpoint.directory import ManagedDirectory, agreed, is_primary, process_count
+from treeopt._checkpoint.items import (
     OPTIMIZER_ITEM,
     PARAMS_ITEM,
     Reader,
@@ -34,11 +34,11 @@ from treeopt._checkpoint_items import (
     orbax_checkpoint,
     save_items,
 )
-from treeopt._deprecated import moved_names
-from treeopt._siblings import Siblings
-from treeopt._siblings import remove as remove_path
-from treeopt._step_rule import check_step, integer
-from treeopt._writer_lock import WriterLock
+from treeopt._checkpoint.siblings import Siblings
+from treeopt._checkpoint.siblings import remove as remove_path
+from treeopt._checkpoint.writer_lock import WriterLock
+from treeopt._compat.deprecations import moved_names
+from treeopt._state.step_rule import check_step, integer
 from treeopt.errors import CheckpointInUseError
 from treeopt.optimizer import Optimizer
 
@@ -47,7 +47,7 @@ if TYPE_CHECKING:
 
 __all__ = ["CheckpointManager", "restore", "restore_state_dict", "save"]
 
-__getattr__ = moved_names(__name__, {"CheckpointError": "treeopt.errors"})
+__getattr__ = moved_names(__name__)
 
 
 def save(

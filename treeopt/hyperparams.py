@@ -24,7 +24,8 @@ import numpy as np
 import optax
 from jax.tree_util import DictKey, SequenceKey
 
-from treeopt._paths import path_to_name
+from treeopt._compat.jax_private import weakly_typed
+from treeopt._tree.paths import path_to_name
 from treeopt.errors import describe
 from treeopt.typing import OptState
 
@@ -160,15 +161,6 @@ def _default_float() -> np.dtype:
     return np.dtype(jax.dtypes.canonicalize_dtype(np.float64))
 
 
-def _weak(x: jax.Array) -> jax.Array:
-    """``x`` weakly typed: the aval of a weakly typed value it replaces, so no jitted step retraces."""
-    try:
-        from jax._src.lax.lax import _convert_element_type
-    except ImportError:  # pragma: no cover - other JAX versions: strong, one retrace
-        return x
-    return _convert_element_type(x, np.dtype(x.dtype), weak_type=True)
-
-
 def checked_value(key: str, old: Any, value: Any) -> jax.Array:
     """``value`` as the new value of the hyperparameter ``key`` whose value is ``old``.
 
@@ -219,7 +211,7 @@ def checked_value(key: str, old: Any, value: Any) -> jax.Array:
     if shape and new.shape != shape:
         new = jnp.broadcast_to(new, shape)
     if weak and target == dtype:
-        new = _weak(new)
+        new = weakly_typed(new)
     return new
 
 

@@ -19,11 +19,17 @@ Example:
     (Array([1., 1.], dtype=float32), True)
 """
 
-from treeopt._checksum import with_checksum
-from treeopt._engine import BY_KIND, EXACT, Messages, Policy, StateDictSource, Target, load
-from treeopt._paths import path_to_name
-from treeopt._specs import derive_spec, flat_param_specs, is_spec, per_dimension_axes, spec_leaves_with_names
-from treeopt._zero import ZeroLeafSpec, zero_leaf_spec
+from treeopt._sharding.specs import (
+    derive_spec,
+    flat_param_specs,
+    is_spec,
+    per_dimension_axes,
+    spec_leaves_with_names,
+)
+from treeopt._sharding.zero import ZeroLeafSpec, zero_leaf_spec
+from treeopt._state.checksum import with_checksum
+from treeopt._state.engine import BY_KIND, EXACT, Messages, Policy, StateDictSource, Target, load
+from treeopt._tree.paths import path_to_name
 from treeopt.hyperparams import checked_value
 
 __all__ = [

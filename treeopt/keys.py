@@ -13,6 +13,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from treeopt._compat.jax_private import abstract_key_impl
+
 __all__ = ["is_key", "key_data", "wrap_key_like"]
 
 
@@ -53,7 +55,7 @@ def key_impl(leaf: Any) -> Any:
     """
     if isinstance(leaf, jax.Array):
         return jax.random.key_impl(leaf)
-    return getattr(leaf.dtype, "_impl", None)
+    return abstract_key_impl(leaf.dtype)
 
 
 def wrap_key_like(template: Any, value: Any) -> Any:

@@ -10,20 +10,20 @@ import jax.numpy as jnp
 import optax
 from jax.tree_util import GetAttrKey
 
-from treeopt import _state_dict
 from treeopt import hyperparams as _hyperparams
-from treeopt._deprecated import moved_names
-from treeopt._donated import donated, refuse_donated
-from treeopt._master import checked_master_dtype, masters_of
-from treeopt._state_specs import optimizer_state_specs, state_parts
-from treeopt._trace_guard import (
+from treeopt._compat.deprecations import moved_names
+from treeopt._sharding.optimizer_specs import optimizer_state_specs, state_parts
+from treeopt._state import state_dict as _state_dict
+from treeopt._state.master import checked_master_dtype, masters_of
+from treeopt._tree.layout import ParamLayout, Wrt, is_lookahead
+from treeopt._update.donated import donated, refuse_donated
+from treeopt._update.inputs import FlatInputs, flat_inputs
+from treeopt._update.trace_guard import (
     CAPTURED,
     concrete_or_eager_autodiff,
     is_tracer,
     strong,
 )
-from treeopt._update_inputs import FlatInputs, flat_inputs
-from treeopt.layout import ParamLayout, Wrt, is_lookahead
 from treeopt.step import flat_step, stable_dtypes
 from treeopt.typing import Params, ParamSpecs, StateDict, Updates
 
@@ -32,7 +32,7 @@ __all__ = ["Optimizer"]
 if TYPE_CHECKING:  # imported here, it would shadow the moved name below
     from treeopt.step import FlatStep
 
-__getattr__ = moved_names(__name__, {"FlatStep": "treeopt.step"})
+__getattr__ = moved_names(__name__)
 
 _FIELDS = ("tx", "wrt", "master_dtype", "_layout", "_lookahead", "step", "opt_state", "master")
 _CHILDREN = ("step", "opt_state", "master")

@@ -29,11 +29,11 @@ import jax
 from flax.core import meta
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from treeopt._abstract import eval_shape
-from treeopt._deprecated import moved_names
-from treeopt._specs import check_axes, is_spec
-from treeopt._state_specs import checked_param_specs, state_parts
-from treeopt._zero import ZeroLeaf, ZeroReport, zero_plan
+from treeopt._compat.deprecations import moved_names
+from treeopt._sharding.abstract import eval_shape
+from treeopt._sharding.optimizer_specs import checked_param_specs, state_parts
+from treeopt._sharding.specs import check_axes, is_spec
+from treeopt._sharding.zero import ZeroLeaf, ZeroReport, zero_plan
 from treeopt.optimizer import Optimizer
 from treeopt.typing import Params, ParamSpecs
 
@@ -49,20 +49,7 @@ __all__ = [
     "zero_report",
 ]
 
-__getattr__ = moved_names(
-    __name__,
-    dict.fromkeys(
-        (
-            "ZeroLeafSpec",
-            "derive_spec",
-            "is_spec",
-            "per_dimension_axes",
-            "spec_leaves_with_names",
-            "zero_leaf_spec",
-        ),
-        "treeopt.internal",
-    ),
-)
+__getattr__ = moved_names(__name__)
 
 LogicalRules = Sequence[tuple[str, str | tuple[str, ...] | None]]
 AxisNames = str | Sequence[str]

@@ -25,13 +25,13 @@ from typing import Any
 
 import flax.serialization
 
-from treeopt import _state_dict as _sd
 from treeopt import errors
-from treeopt._checksum import CHECKSUM_KEY, with_checksum
-from treeopt._deprecated import moved_names
-from treeopt._state_dict import check_state_dict
+from treeopt._compat.deprecations import moved_names
+from treeopt._state import state_dict as _sd
+from treeopt._state.checksum import CHECKSUM_KEY, with_checksum
+from treeopt._state.state_dict import check_state_dict
+from treeopt._tree.masks import name_matcher
 from treeopt.errors import LoadReport, StateDictError, StateDictWarning
-from treeopt.masks import name_matcher
 from treeopt.optimizer import Optimizer
 
 __all__ = [
@@ -45,13 +45,7 @@ __all__ = [
     "warm_start",
 ]
 
-__getattr__ = moved_names(
-    __name__,
-    {
-        "CheckpointError": "treeopt.errors",
-        **dict.fromkeys(("CheckpointManager", "restore", "restore_state_dict", "save"), "treeopt.checkpoint"),
-    },
-)
+__getattr__ = moved_names(__name__)
 
 # -- flax.serialization ----------------------------------------------------------------
 

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from treeopt._trace_guard import is_tracer, strong
+from treeopt._update.trace_guard import is_tracer, strong
 from treeopt.typing import FlatParams
 
 __all__ = ["FlatStep", "flat_step"]

@@ -1,0 +1,319 @@
+"""The documentation holds what it promises.
+
+- Every public class and function (``treeopt.__all__``, the ``__all__`` of the
+  public modules it lists, and ``treeopt.t5x``) has a docstring with a runnable
+  ``>>>`` example, and every public module a docstring;
+  ``pytest --doctest-modules`` (the project's default options) executes them.
+- Every page named in the ``nav`` of ``mkdocs.yml`` exists.
+- The guides run: in the pages of ``RUNNABLE_PAGES`` every fenced block marked
+  ```` ```python ```` is executed, in page order, in one namespace per page.
+  Blocks that only show code (other libraries, fragments) are marked
+  ```` ```py ````, which renders the same.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import json
+import re
+import sys
+import textwrap
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+import treeopt
+
+from _helpers import FENCE, python_blocks
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCS = ROOT / "docs"
+
+PUBLIC_MODULES = (
+    "treeopt",
+    "treeopt.serialization",
+    "treeopt.checkpoint",
+    "treeopt.errors",
+    "treeopt.keys",
+    "treeopt.step",
+    "treeopt.typing",
+    "treeopt.partitioning",
+    "treeopt.t5x",
+    "treeopt.nnx",
+)
+
+RUNNABLE_PAGES = [
+    "getting-started.md",
+    "optimizer.md",
+    "serialization.md",
+    "resume.md",
+    "mixed-precision.md",
+    "t5x.md",
+    "migration/from-flax-optim.md",
+    "migration/from-treex.md",
+    "migration/from-nnx.md",
+    "migration/from-t5x.md",
+]
+
+
+# -- public names have examples ----------------------------------------------------
+
+
+def _public_modules() -> list[types.ModuleType]:
+    """The public modules that exist in this checkout (each lands with its own issue)."""
+    return [importlib.import_module(name) for name in PUBLIC_MODULES if importlib.util.find_spec(name)]
+
+
+def _documentable(obj: Any) -> bool:
+    if inspect.ismodule(obj):
+        return True
+    # Names of other libraries kept for a drop-in's sake (T5X's ``Dtype = Any``) are theirs to document.
+    own = getattr(obj, "__module__", "").startswith("treeopt")
+    return own and (inspect.isclass(obj) or inspect.isfunction(obj))
+
+
+def _public_objects() -> dict[str, Any]:
+    """``{qualified name: object}`` for every documented public class, function and module."""
+    found: dict[str, Any] = {}
+    pending = [(module.__name__, module) for module in _public_modules()]
+    while pending:
+        prefix, module = pending.pop()
+        for name in getattr(module, "__all__", ()):
+            obj = getattr(module, name)
+            if not _documentable(obj):
+                continue  # constants and type aliases
+            qualified = f"{prefix}.{name}"
+            if inspect.ismodule(obj):
+                if not obj.__name__.startswith("treeopt"):
+                    continue
+                pending.append((qualified, obj))
+            if any(obj is seen for seen in found.values()) and not inspect.ismodule(obj):
+                continue  # re-exported under another public name: checked once
+            found[qualified] = obj
+    return found
+
+
+PUBLIC = _public_objects()
+
+
+def test_public_names_are_collected():
+    assert "treeopt.Optimizer" in PUBLIC
+    assert "treeopt.mask" in PUBLIC
+
+
+@pytest.mark.parametrize("name", sorted(PUBLIC))
+def test_public_name_has_a_docstring_with_an_example(name):
+    obj = PUBLIC[name]
+    doc = inspect.getdoc(obj) or ""
+    assert doc.strip(), f"{name} has no docstring"
+    if inspect.ismodule(obj):
+        return  # a module needs a docstring; its public names need the examples
+    assert ">>>" in doc, f"the docstring of {name} has no '>>>' example"
+
+
+def test_optimizer_methods_have_examples():
+    missing = [
+        name
+        for name, member in vars(treeopt.Optimizer).items()
+        if not name.startswith("_") and inspect.isfunction(member) and ">>>" not in (member.__doc__ or "")
+    ]
+    assert not missing, f"Optimizer methods without a '>>>' example: {missing}"
+
+
+# -- the API reference names every public object ----------------------------------
+
+_DIRECTIVE = re.compile(r"^:::[ \t]*(\S+)", re.M)
+_CODE_WORD = re.compile(r"`([A-Za-z_]\w*)`")
+
+
+def _resolve(dotted: str) -> Any:
+    parts = dotted.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj: Any = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        for attr in parts[i:]:
+            obj = getattr(obj, attr)
+        return obj
+    raise ImportError(f"cannot resolve {dotted}")
+
+
+def test_api_reference_covers_every_public_name():
+    """Each name in a public ``__all__`` is rendered by a ``::: target`` of docs/api/*.md,
+    or (for families such as the wrapped optax aliases of treeopt.t5x) named there in code."""
+    text = "\n".join(page.read_text() for page in sorted((DOCS / "api").glob("*.md")))
+    rendered = [_resolve(target) for target in _DIRECTIVE.findall(text)]
+    named = set(_CODE_WORD.findall(text))
+    modules = [obj for obj in PUBLIC.values() if inspect.ismodule(obj)] + _public_modules()
+    missing = sorted(
+        {
+            f"{module.__name__}.{name}"
+            for module in modules
+            for name in module.__all__
+            if not any(getattr(module, name) is obj for obj in rendered) and name not in named
+        }
+    )
+    assert not missing, f"public names missing from the API reference (docs/api/*.md): {missing}"
+
+
+# -- the site's navigation ---------------------------------------------------------
+
+
+class _Loader(yaml.SafeLoader):
+    """Reads mkdocs.yml, tolerating the ``!!python/...`` and ``!ENV`` tags mkdocs allows."""
+
+
+_Loader.add_multi_constructor("", lambda loader, suffix, node: None)
+
+
+def _nav_pages(node: Any) -> list[str]:
+    if isinstance(node, str):
+        return [node]
+    if isinstance(node, list):
+        return [page for item in node for page in _nav_pages(item)]
+    if isinstance(node, dict):
+        return [page for value in node.values() for page in _nav_pages(value)]
+    return []
+
+
+def _config() -> dict[str, Any]:
+    with open(ROOT / "mkdocs.yml") as f:
+        return yaml.load(f, Loader=_Loader)
+
+
+def test_every_nav_page_exists():
+    config = _config()
+    docs_dir = ROOT / config.get("docs_dir", "docs")
+    pages = [p for p in _nav_pages(config["nav"]) if "://" not in p]
+    assert pages, "mkdocs.yml has no nav"
+    missing = [p for p in pages if not (docs_dir / p).is_file()]
+    assert not missing, f"pages named in mkdocs.yml nav that do not exist under {docs_dir.name}/: {missing}"
+
+
+def test_every_page_is_in_the_nav():
+    config = _config()
+    docs_dir = ROOT / config.get("docs_dir", "docs")
+    in_nav = set(_nav_pages(config["nav"]))
+    on_disk = {
+        p.relative_to(docs_dir).as_posix()
+        for p in docs_dir.rglob("*")
+        if p.suffix in {".md", ".ipynb"} and ".ipynb_checkpoints" not in p.parts
+    }
+    assert not on_disk - in_nav, f"pages missing from the nav of mkdocs.yml: {sorted(on_disk - in_nav)}"
+
+
+def test_every_notebook_is_in_the_docs():
+    notebooks = {p.name for p in (ROOT / "notebooks").glob("*.ipynb")}
+    in_nav = {Path(p).name for p in _nav_pages(_config()["nav"]) if p.endswith(".ipynb")}
+    assert notebooks <= in_nav, f"notebooks missing from the docs nav: {sorted(notebooks - in_nav)}"
+
+
+# -- the guides run ----------------------------------------------------------------
+
+def test_python_blocks_are_found():
+    text = 'a\n```python\nx = 1\n```\n```py\nskipped\n```\n    ```python title="t"\n    y = 2\n    ```\n'
+    assert python_blocks(text) == [(3, "x = 1\n"), (9, "y = 2\n")]
+
+
+@pytest.mark.parametrize("page", RUNNABLE_PAGES)
+def test_guide_runs(page, monkeypatch, tmp_path):
+    path = DOCS / page
+    assert path.is_file(), f"docs/{page} is listed as runnable but does not exist"
+    blocks = python_blocks(path.read_text())
+    assert blocks, f"docs/{page} has no ```python block"
+    monkeypatch.chdir(tmp_path)  # anything a guide writes lands in a temporary folder
+    # A real module, so classes defined on the page (dataclasses, flax structs) can find it.
+    module = types.ModuleType("docs_" + re.sub(r"\W", "_", page.removesuffix(".md")))
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    for line, code in blocks:
+        # Pad with newlines so tracebacks point at the page's own line numbers; do not
+        # inherit this file's `from __future__ import annotations`.
+        source = "\n" * (line - 1) + code
+        exec(compile(source, f"docs/{page}", "exec", dont_inherit=True), module.__dict__)
+
+
+# -- numbers the README repeats ------------------------------------------------------
+
+
+def test_readme_counts_the_parity_list():
+    from _cases import TRANSFORMATIONS
+
+    readme = (ROOT / "README.md").read_text()
+    assert f"Parity: for {len(TRANSFORMATIONS)} optax transformations" in readme
+
+
+def test_readme_quotes_the_measured_nnx_figures():
+    """The README's nnx.Optimizer ratios are those of docs/benchmarks.md's results, not a rounding of them."""
+    row = next(line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith("| `flax.nnx.Optimizer`"))
+    results = (DOCS / "benchmarks.md").read_text().split("## Results", 1)[1]
+    measured = next(line for line in results.splitlines() if line.startswith("| `flax.nnx.Optimizer`"))
+    figures = re.findall(r"(`nnx\.jit`|split/merge) (\d[\d.]*\u2013\d[\d.]*\u00d7)", row)
+    assert len(figures) == 2, row
+    for name, figure in figures:
+        assert f"{name} {figure}" in measured, (name, figure, measured)
+
+
+# -- what the rendered site shows ---------------------------------------------------
+
+# Characters of code a page's column shows whole at a 1280 px wide window, in the
+# theme's code font (measured in Chromium: 656 px of text at 8.16 px a character),
+# and in one column of a side-by-side grid on a page without its table of contents
+# (docs/stylesheets/extra.css). Program output, fenced as ```{.text .output}, wraps instead.
+CODE_COLUMNS = 80
+GRID_COLUMNS = 53
+_GRID = re.compile(r'<div class="grid" markdown>.*?</div>', re.S)
+
+
+def _long_code_lines(text: str) -> list[tuple[int, int, str]]:
+    """``(line number, length, line)`` of each code line too wide to show whole in ``text``."""
+    grids = [match.span() for match in _GRID.finditer(text)]
+    found = []
+    for match in FENCE.finditer(text):
+        if re.search(r"\.output\b", match["info"]):
+            continue
+        in_grid = any(start <= match.start() < end for start, end in grids)
+        limit = GRID_COLUMNS if in_grid else CODE_COLUMNS
+        first = text.count("\n", 0, match.start("body")) + 1
+        for offset, line in enumerate(textwrap.dedent(match["body"]).splitlines()):
+            if len(line) > limit:
+                found.append((first + offset, len(line), line))
+    return found
+
+
+def test_long_code_lines_are_found():
+    grid = '<div class="grid" markdown>\n\n```py\n' + "g" * 54 + "\n```\n\n</div>\n"
+    text = "```python\n" + "x" * 80 + "\n" + "y" * 81 + "\n```\n```{.text .output}\n" + "z" * 99 + "\n```\n" + grid
+    assert _long_code_lines(text) == [(3, 81, "y" * 81), (11, 54, "g" * 54)]
+
+
+@pytest.mark.parametrize("page", sorted(p.relative_to(DOCS).as_posix() for p in DOCS.rglob("*.md")))
+def test_code_lines_show_whole_at_1280px(page):
+    """No code line hides behind a horizontal scrollbar on a 1280 px screen."""
+    long = _long_code_lines((DOCS / page).read_text())
+    assert not long, f"docs/{page}: code lines wider than the column: {long}"
+
+
+
+def test_notebook_section_headings_have_no_inline_code():
+    """The notebook pages' table of contents drops inline code from headings ("Labels and")."""
+    found = []
+    for path in sorted((ROOT / "notebooks").glob("*.ipynb")):
+        for cell in json.loads(path.read_text())["cells"]:
+            if cell["cell_type"] != "markdown":
+                continue
+            for line in "".join(cell["source"]).splitlines():
+                if re.match(r"#{2,6} ", line) and "`" in line:
+                    found.append(f"{path.name}: {line}")
+    assert not found, f"notebook headings with inline code: {found}"
+
+
+def test_notebook_pages_take_their_titles_from_the_nav():
+    """Their H1 titles hold inline code, which mkdocs-jupyter would strip from <title> and the nav."""
+    jupyter = next(p for p in _config()["plugins"] if isinstance(p, dict) and "mkdocs-jupyter" in p)
+    assert jupyter["mkdocs-jupyter"].get("ignore_h1_titles") is True

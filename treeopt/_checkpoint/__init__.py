@@ -1,0 +1,12 @@
+"""Checkpoints on disk: orbax items, the directory and its one writer, atomic siblings.
+
+- ``items``: what one checkpoint step holds (the optimizer's state dict with
+  its checksum, the params) as orbax items, and their restore.
+- ``directory``: a manager's directory: complete steps, debris of interrupted
+  saves moved aside, housekeeping.
+- ``writer_lock``: the one writer per checkpoint directory.
+- ``siblings``: a checkpoint replaced atomically through sibling directories.
+
+May import: ``treeopt._state``, ``treeopt._tree``, ``treeopt.errors``,
+``treeopt.keys``. The public face is ``treeopt.checkpoint``.
+"""

@@ -1,0 +1,14 @@
+"""Partition specs of any optimizer state, derived from the params' specs, and ZeRO-1.
+
+- ``specs``: the spec of each state leaf from its parameter's (same shape:
+  the param's spec; factored: the reduced axes dropped; the rest: ``P()``).
+- ``zero``: ZeRO-1, the data-parallel axes added to one free, divisible
+  dimension of every large state leaf.
+- ``optimizer_specs``: the specs of a state's parts (optax state, master
+  copies), checked against the params and the mesh.
+- ``abstract``: ``jax.eval_shape`` with an error that says how to build an
+  abstract equinox target.
+
+May import: ``treeopt._tree``, ``treeopt.errors``, ``treeopt.typing``. It is
+handed the state's parts and the layout, never the optimizer.
+"""

@@ -1,0 +1,84 @@
+"""The partition specs of an optimizer's state: derived from the params' specs, with ZeRO-1 when asked.
+
+:func:`optimizer_state_specs` is what ``Optimizer.partition_specs`` returns
+for the state: :mod:`treeopt._sharding.specs` derives each leaf's spec from its
+parameter's, and with ``shard_state_over`` :mod:`treeopt._sharding.zero` adds the
+data-parallel axes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+from jax.sharding import PartitionSpec
+
+from treeopt._sharding.specs import check_axes, flat_param_specs, state_leaf_specs
+from treeopt._sharding.zero import zero_plan
+from treeopt._tree.layout import ParamLayout
+
+
+def state_parts(opt: Any) -> dict[str, Any]:
+    """The parts of an initialized optimizer's state whose leaves belong to parameters, by name."""
+    return {"opt_state": opt.opt_state, "master": opt.master}
+
+
+def state_specs(
+    parts: Mapping[str, Any],
+    layout: ParamLayout,
+    param_specs: Mapping[str, PartitionSpec],
+    *,
+    shard_state_over: str | Sequence[str] | None = None,
+    mesh: Any = None,
+) -> dict[str, Any]:
+    """``{part: tree shaped like it with a PartitionSpec at every leaf}`` for the parts of a state.
+
+    ``parts`` are the optax state over the flat ``{name: param}`` dict and the
+    master copies (``{"opt_state": ..., "master": ...}``), concrete or abstract
+    (``jax.eval_shape``); ``param_specs`` is ``{name: spec}`` for every
+    trainable param. With ``shard_state_over`` (mesh axis names, and the
+    ``mesh`` whose sizes they have) the param-owned leaves are also split over
+    those axes (ZeRO-1, see :func:`treeopt._sharding.zero.zero_plan`).
+    """
+    if shard_state_over is None:
+        out = {}
+        for part, tree in parts.items():
+            treedef, leaves = state_leaf_specs(tree, layout, param_specs)
+            out[part] = jax.tree_util.tree_unflatten(treedef, [leaf.spec for leaf in leaves])
+        return out
+    treedefs, plan = zero_plan(parts, layout, param_specs, shard_state_over, mesh)
+    specs = iter(leaf.zero_spec for leaf in plan.leaves)
+    return {
+        part: treedef.unflatten([next(specs) for _ in range(treedef.num_leaves)])
+        for part, treedef in treedefs.items()
+    }
+
+
+def optimizer_state_specs(
+    parts: Mapping[str, Any],
+    layout: ParamLayout,
+    param_specs: Any,
+    *,
+    shard_state_over: str | Sequence[str] | None = None,
+    mesh: Any = None,
+) -> dict[str, Any]:
+    """The specs of a state's parts from a params-shaped tree of specs, checked; what ``partition_specs`` uses.
+
+    ``param_specs`` is any params-shaped tree (or the flat dict) of
+    ``PartitionSpec``/``None``, checked by :func:`flat_param_specs`; with a
+    ``mesh`` each spec's axes are also checked against it (the error names the
+    parameter). ``parts`` and ``shard_state_over``: see :func:`state_specs`.
+    """
+    flat = checked_param_specs(param_specs, layout, mesh)
+    return state_specs(parts, layout, flat, shard_state_over=shard_state_over, mesh=mesh)
+
+
+def checked_param_specs(param_specs: Any, layout: ParamLayout, mesh: Any) -> dict[str, PartitionSpec]:
+    """``{name: spec}`` from a params-shaped tree of specs; with a ``mesh``, each spec's axes checked
+    against it (the error names the parameter)."""
+    flat = flat_param_specs(param_specs, layout)
+    if mesh is not None:
+        for name, spec in flat.items():
+            check_axes(spec, mesh, f"PartitionSpec of parameter '{name}'")
+    return flat

@@ -1,0 +1,16 @@
+"""The optimizer's state in its own forms: plain dicts, checksums, the one state-dict engine.
+
+- ``plain``: the optax state as nested plain dicts keyed by field and name.
+- ``checksum``: the one checksum of a state dict (a bit-sum that works on
+  sharded arrays).
+- ``engine``: the one state-dict engine: match by name, report, place on
+  shardings, fill, verify the checksum; each caller brings its policy.
+- ``state_dict``: the core's state dicts and ``load_state_dict``/``warm_start``
+  policies, over the optimizer's parts.
+- ``step_rule``: what a step count may be.
+- ``master``: master weights (wider copies of narrow params) and their step.
+
+May import: ``treeopt._tree``, ``treeopt.errors``, ``treeopt.keys``,
+``treeopt.typing``. It is handed the optimizer's parts (layout, state, step)
+and returns parts, never the optimizer.
+"""

@@ -1,0 +1,564 @@
+"""The state-dict engine: one plan loads a source into a target tree, by name.
+
+Every way state comes back in (``load_state_dict``, ``warm_start``, a
+checkpoint restore, ``treeopt.t5x``'s ``restore_state`` and bytes) is one
+call of :func:`load`, which carries the source through four steps:
+
+1. **match** each slot of the target (a leaf, at the path its state dict
+   gives it) with the source's entry at the same path (for a warm start,
+   also with the one entry of the same state field and parameter name);
+2. **report** what matched and what did not in a
+   :class:`~treeopt.errors.LoadReport`: strict loading raises it, lenient
+   loading warns with it;
+3. **place**: the source is read with each matched entry on the sharding of
+   its target leaf (a checkpoint reads only what matched);
+4. **fill**: the values read are verified against the source's checksum and
+   become the target's leaves.
+
+A :class:`Policy` says what differs between callers: the core loads exact
+dtypes and copies (:data:`EXACT`); T5X loads any value of the right kind and
+shape as given, and reads the digest earlier treeopt.t5x bytes carry
+(:data:`BY_KIND`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import warnings
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, NamedTuple, Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from treeopt._state.checksum import CHECKSUM_KEY, matches
+from treeopt._state.plain import Path, flatten_paths, path_str
+from treeopt._tree.paths import leaf_names
+from treeopt.errors import LoadReport, StateDictError, StateDictWarning, describe, dtype_name
+from treeopt.keys import is_key, wrap_key_like
+
+_SCALARS = (bool, int, float)
+
+# -- the target: its slots -------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Slot:
+    """One leaf of a target tree, as a source must provide it."""
+
+    index: int  # position among the target's leaves
+    leaf: Any  # the target's leaf (array, ShapeDtypeStruct, number, ...)
+    shape: tuple[int, ...]  # the shape expected in the source (key data for keys)
+    dtype: Any  # the dtype expected in the source (uint32 for keys)
+
+    @property
+    def expected(self) -> str:
+        return f"{dtype_name(self.dtype)}{list(self.shape)}"
+
+    @property
+    def abstract(self) -> bool:
+        return isinstance(self.leaf, jax.ShapeDtypeStruct)
+
+    @property
+    def sharding(self) -> Any:
+        if isinstance(self.leaf, jax.core.Tracer):
+            return None
+        return getattr(self.leaf, "sharding", None)
+
+
+def _slot(index: int, leaf: Any) -> Slot:
+    if is_key(leaf):
+        data = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(leaf.shape, leaf.dtype))
+        return Slot(index, leaf, tuple(data.shape), np.dtype(data.dtype))
+    if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
+        return Slot(index, leaf, tuple(leaf.shape), leaf.dtype)
+    try:
+        return Slot(index, leaf, tuple(np.shape(leaf)), np.result_type(leaf))
+    except TypeError:  # an object the tree holds as it is: no dtype
+        return Slot(index, leaf, (), None)
+
+
+class Target(NamedTuple):
+    """The leaves of a target tree by path, and how to rebuild the tree from new leaves."""
+
+    slots: dict[Path, Slot]
+    treedef: Any
+    leaves: list[Any]
+
+    @classmethod
+    def of(cls, tree: Any, plain: Callable[[Any], Any]) -> Target:
+        """The slots of ``tree``, at the paths of ``plain(tree)``, its state dict.
+
+        Example:
+            >>> import jax.numpy as jnp
+            >>> target = Target.of({"w": jnp.ones(2)}, plain=lambda tree: {"params": tree})
+            >>> list(target.slots)
+            [('params', 'w')]
+        """
+        leaves, treedef = jax.tree.flatten(tree)
+        indexed = flatten_paths(plain(jax.tree.unflatten(treedef, list(range(len(leaves))))))
+        slots = {path: _slot(index, leaves[index]) for path, index in indexed.items()}
+        if sorted(s.index for s in slots.values()) != list(range(len(leaves))):
+            raise AssertionError("treeopt: the state dict does not cover every leaf of the target")
+        return cls(slots, treedef, leaves)
+
+    @classmethod
+    def named(cls, tree: Any) -> Target:
+        """The slots of the array leaves of ``tree``, each at the path ``(its name,)``.
+
+        Example:
+            >>> import jax.numpy as jnp
+            >>> list(Target.named({"dense": {"kernel": jnp.ones(2)}, "n": 3}).slots)
+            [('dense/kernel',)]
+        """
+        leaves, treedef = jax.tree.flatten(tree)
+        slots: dict[Path, Slot] = {
+            (name,): _slot(index, leaf)
+            for index, (name, leaf) in enumerate(zip(leaf_names(tree), leaves, strict=True))
+            if hasattr(leaf, "shape") and hasattr(leaf, "dtype")
+        }
+        return cls(slots, treedef, leaves)
+
+
+# -- the source ------------------------------------------------------------------------------
+
+
+class Source(Protocol):
+    """Where loaded values come from: a state dict in memory, an item of a checkpoint.
+
+    ``entries()`` describes what it holds (values, or metadata with ``shape``
+    and ``dtype``) by path; ``read(placements)`` returns the nested state dict
+    with each entry of ``placements`` on that sharding; ``stored_checksum()``
+    is the checksum to verify the values read against (``None``: none), and
+    ``corrupted()`` the error to raise when they do not match it.
+    ``fresh``: whether ``read`` returns new buffers (no copy needed).
+    """
+
+    fresh: bool
+
+    def entries(self) -> Mapping[Path, Any]: ...
+
+    def read(self, placements: Mapping[Path, Any]) -> Any: ...
+
+    def stored_checksum(self) -> Any: ...
+
+    def corrupted(self) -> Exception: ...
+
+
+class StateDictSource:
+    """A nested state dict in memory (its ``"checksum"`` entry, if any, is the one to verify).
+
+    Example:
+        >>> source = StateDictSource({"step": 3, "checksum": [1, 2]})
+        >>> dict(source.entries()), source.stored_checksum()
+        ({('step',): 3}, [1, 2])
+    """
+
+    fresh = False
+
+    def __init__(self, state_dict: Any, caller: str = "load_state_dict", name: str = "state dict"):
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(
+                f"{caller} needs a state dict: the nested dict that opt.state_dict() returns "
+                f"(or that went through numpy / msgpack / orbax), got {type(state_dict).__name__}."
+            )
+        self.name = name
+        self.nested = {k: v for k, v in state_dict.items() if k != CHECKSUM_KEY}
+        self._stored = state_dict.get(CHECKSUM_KEY)
+        self._flat = flatten_paths(self.nested, keep_none=True)
+
+    def entries(self) -> Mapping[Path, Any]:
+        return self._flat
+
+    def read(self, placements: Mapping[Path, Any]) -> Any:
+        return self.nested
+
+    def stored_checksum(self) -> Any:
+        return self._stored
+
+    def corrupted(self) -> Exception:
+        return StateDictError(
+            f"The {self.name}'s checksum does not match its data: it is corrupted (or was edited "
+            f"after it was saved). To load a deliberately edited state dict, delete its "
+            f"'{CHECKSUM_KEY}' entry first."
+        )
+
+
+# -- policies ---------------------------------------------------------------------------------
+
+
+def _scalar_misfit(slot: Slot, value: bool | int | float) -> str | None:
+    """Why a Python number cannot load into ``slot`` without losing part of it (None: it can)."""
+    dtype = np.dtype(slot.dtype)
+    if slot.shape != () or is_key(slot.leaf) or dtype.kind not in "biuf":
+        return describe(value)
+    if (dtype.kind == "b") != isinstance(value, bool):
+        return f"{describe(value)} ({'a bool' if isinstance(value, bool) else 'not a bool'})"
+    if dtype.kind in "iu":
+        if isinstance(value, float) and not (np.isfinite(value) and value == int(value)):
+            return f"{describe(value)} (not an integer)"
+        info = np.iinfo(dtype)
+        if not info.min <= int(value) <= info.max:
+            return f"{describe(value)} (outside the {dtype.name} range [{info.min}, {info.max}])"
+    elif dtype.kind == "f":
+        try:
+            x = float(value)
+        except OverflowError:  # an int beyond float64
+            x = None
+        with np.errstate(over="ignore"):
+            overflows = x is None or (np.isfinite(x) and not np.isfinite(np.asarray(x).astype(dtype)))
+        if overflows:
+            big = float(jnp.finfo(dtype).max)
+            return f"{describe(value)} (outside the {dtype.name} range [{-big:g}, {big:g}])"
+    return None
+
+
+def _exact_got(slot: Slot, value: Any) -> str | None:
+    """Why ``value`` is not exactly what ``slot`` holds, as the "got ..." of an error (None: it is)."""
+    if isinstance(value, _SCALARS) and not isinstance(value, np.generic):
+        return _scalar_misfit(slot, value)
+    if value is None or not (hasattr(value, "shape") and hasattr(value, "dtype")):
+        return describe(value)
+    if is_key(value):
+        if is_key(slot.leaf) and value.dtype == slot.leaf.dtype and value.shape == slot.leaf.shape:
+            return None
+        return describe(value)
+    if tuple(value.shape) == slot.shape and dtype_name(value.dtype) == dtype_name(slot.dtype):
+        return None
+    return describe(value)
+
+
+def _exact_value(slot: Slot, value: Any, copy: bool) -> Any:
+    """``value`` as the target leaf is: its dtype, key type and sharding.
+
+    With ``copy``, a concrete ``jax.Array`` is never returned as it is (nor
+    placed by aliasing it): donating the result leaves ``value`` alive.
+    """
+    sharding = slot.sharding
+    if sharding is not None and isinstance(slot.leaf, jax.Array) and not slot.leaf.committed:
+        # A leaf of a plain init is uncommitted: committing the loaded one to one device
+        # would make jit refuse it beside params placed on a mesh.
+        sharding = None
+    alias = copy and isinstance(value, jax.Array) and not isinstance(value, jax.core.Tracer)
+    if is_key(slot.leaf):
+        value = wrap_key_like(slot.leaf, value)
+    elif isinstance(value, _SCALARS) and not isinstance(value, np.generic):
+        value = np.asarray(value, dtype=slot.dtype)
+    elif _widens(slot, value):
+        value, alias = value.astype(slot.dtype), False  # a new buffer already
+    if isinstance(value, jax.core.Tracer):
+        return value
+    if sharding is not None:
+        return jax.device_put(value, sharding, may_alias=False) if alias else jax.device_put(value, sharding)
+    if alias:
+        return jnp.array(value, copy=True)
+    return value if isinstance(value, jax.Array) else jnp.asarray(value)
+
+
+def _exact_misfit(slot: Slot, value: Any) -> tuple[str, str] | None:
+    got = _exact_got(slot, value)
+    return None if got is None else (slot.expected, got)
+
+
+def _widens(slot: Slot, value: Any) -> bool:
+    """Whether ``value`` is a narrower floating array that ``slot``'s dtype holds exactly."""
+    dtype = getattr(value, "dtype", None)
+    if (
+        dtype is None
+        or is_key(value)
+        or slot.dtype is None
+        or tuple(getattr(value, "shape", ())) != slot.shape
+    ):
+        return False
+    both_float = jnp.issubdtype(dtype, jnp.floating) and jnp.issubdtype(slot.dtype, jnp.floating)
+    return bool(both_float) and jnp.promote_types(dtype, slot.dtype) == jnp.dtype(slot.dtype) != jnp.dtype(
+        dtype
+    )
+
+
+def _exact_or_wider_misfit(slot: Slot, value: Any) -> tuple[str, str] | None:
+    return None if _widens(slot, value) else _exact_misfit(slot, value)
+
+
+def _kind(dtype: Any) -> str | None:
+    """The class of values a dtype holds, which a T5X restore may not change (None: not a value)."""
+    try:
+        if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+            return "PRNG key"
+        if dtype == np.bool_:
+            return "bool"
+        for kind, base in (
+            ("integer", jnp.integer),
+            ("float", jnp.floating),
+            ("complex", jnp.complexfloating),
+        ):
+            if jnp.issubdtype(dtype, base):
+                return kind
+    except TypeError:
+        pass
+    return None
+
+
+def _value_kind(x: Any) -> tuple[str | None, tuple[int, ...]] | None:
+    """``(kind, shape)`` of a value, or ``None`` for what holds no value (strings, objects, None)."""
+    if isinstance(x, complex):
+        return "complex", ()
+    if isinstance(x, _SCALARS):
+        return _kind(np.result_type(x)), ()
+    dtype, shape = getattr(x, "dtype", None), getattr(x, "shape", None)
+    if dtype is None or shape is None:
+        return None
+    return _kind(dtype), tuple(shape)
+
+
+def _kind_misfit(slot: Slot, value: Any) -> tuple[str, str] | None:
+    """Why ``value`` cannot stand for ``slot`` in a T5X restore: another kind or shape (None: it can)."""
+    kind = None if slot.dtype is None else _kind(slot.dtype)
+    if kind is None:
+        return None  # an object the state holds as it is
+    got = _value_kind(value)
+    if got is None or got[0] is None:
+        return f"{slot.expected} ({kind})", describe(value)
+    if got[0] != kind:
+        return f"{slot.expected} ({kind})", f"{describe(value)} ({got[0]})"
+    if got[1] != slot.shape:
+        return slot.expected, describe(value)
+    return None
+
+
+def _value_as_given(slot: Slot, value: Any, copy: bool) -> Any:
+    # T5X's from_state_dict keeps what it is given; only a concrete key template wraps key data.
+    return wrap_key_like(slot.leaf, value) if isinstance(slot.leaf, jax.Array) else value
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """What a caller of the engine loads: which values fit a slot, and what a fitting value becomes.
+
+    Attributes:
+        misfit: ``(slot, value) -> None`` when ``value`` fits, else ``(expected, got)`` for the report.
+        convert: ``(slot, value, copy) -> leaf``; ``copy``: the source's arrays stay the caller's.
+        legacy_digest: also verify the SHA-256 digest of earlier treeopt.t5x bytes.
+        casts: fitting values of another dtype are cast to the slot's (the report lists them).
+    """
+
+    misfit: Callable[[Slot, Any], tuple[str, str] | None]
+    convert: Callable[[Slot, Any, bool], Any]
+    legacy_digest: bool = False
+    casts: bool = False
+
+
+EXACT = Policy(_exact_misfit, _exact_value)
+"""The core's policy: the same shape and dtype (or a Python number that fits exactly), copied
+onto the target's sharding."""
+
+EXACT_OR_WIDER = Policy(_exact_or_wider_misfit, _exact_value, casts=True)
+"""A warm start's policy: as :data:`EXACT`, and a narrower floating value is cast up (losslessly)."""
+
+BY_KIND = Policy(_kind_misfit, _value_as_given, legacy_digest=True)
+"""T5X's policy: the same shape and kind of value (integer, float, ...), kept as given."""
+
+
+# -- the four steps ---------------------------------------------------------------------------
+
+
+def _subscript(path: Path) -> str:
+    return "sd" + "".join(f"[{k!r}]" for k in path)
+
+
+def _misnested(
+    missing: Iterable[Path], unexpected: Iterable[Path]
+) -> tuple[list[Path], list[Path], list[tuple[str, str, str]]]:
+    """``(missing, unexpected, misnested)``: a missing and an unexpected path that read the same
+    once joined by ``"/"`` are the same entry nested differently (a name split on ``"/"``)."""
+    by_str: dict[str, list[Path]] = {}
+    for path in unexpected:
+        by_str.setdefault(path_str(path), []).append(path)
+    still_missing, misnested, taken = [], [], set()
+    for path in missing:
+        found = sorted(q for q in by_str.get(path_str(path), []) if q != path)
+        if not found:
+            still_missing.append(path)
+            continue
+        taken.update(found)
+        misnested.append((path_str(path), _subscript(found[0]), _subscript(path)))
+    return still_missing, [p for p in unexpected if p not in taken], misnested
+
+
+class Roles(NamedTuple):
+    """How a warm start matches what exact paths do not: by state field and parameter name.
+
+    ``role(path)`` is the part of a path that names what a leaf is, wherever
+    the optax state nests it: ``("opt_state", "inner_state", "0", "mu", "w")``
+    -> ``("mu", "w")``; a leaf of no parameter (``count``) -> its last key.
+    ``wanted(path)``: whether a target path may be loaded at all.
+    """
+
+    names: frozenset[str]
+    wanted: Callable[[Path], bool]
+
+    def role(self, path: Path) -> Path:
+        for i in range(len(path) - 1, 0, -1):
+            if path[i] in self.names:
+                return path[i - 1 :]
+        return path[-1:]
+
+
+def match(
+    target: Target, entries: Mapping[Path, Any], policy: Policy, roles: Roles | None = None
+) -> tuple[dict[Path, Path], LoadReport]:
+    """Steps 1 and 2: ``({target path: source path}, report)``.
+
+    A ``None`` entry at a target path is a mismatch; elsewhere it is ignored.
+    """
+    pairs: dict[Path, Path] = {}
+    mismatched: dict[Path, tuple[str, str, str]] = {}
+    for path, slot in target.slots.items():
+        if path in entries:
+            misfit = policy.misfit(slot, entries[path])
+            if misfit is None:
+                pairs[path] = path
+            else:
+                mismatched[path] = (path_str(path), *misfit)
+    renamed: dict[Path, Path] = {}
+    if roles is not None:
+        renamed = _match_roles(target, entries, policy, roles, pairs)
+        pairs = {t: s for t, s in pairs.items() if roles.wanted(t)}
+        renamed = {t: s for t, s in renamed.items() if t in pairs}
+    mismatched = {p: m for p, m in mismatched.items() if p not in pairs}
+    taken = set(pairs.values())
+    missing = [p for p in target.slots if p not in pairs and p not in mismatched]
+    unexpected = [p for p, v in entries.items() if p not in taken and p not in mismatched and v is not None]
+    missing, unexpected, misnested = _misnested(missing, unexpected)
+    report = LoadReport(
+        loaded=tuple(sorted(path_str(p) for p in pairs)),
+        missing=tuple(sorted(path_str(p) for p in missing)),
+        unexpected=tuple(sorted(path_str(p) for p in unexpected)),
+        mismatched=tuple(sorted(mismatched.values())),
+        renamed={path_str(t): path_str(s) for t, s in sorted(renamed.items())},
+        misnested=tuple(sorted(misnested)),
+        cast=_casts(target, entries, pairs) if policy.casts else (),
+    )
+    return pairs, report
+
+
+def _casts(
+    target: Target, entries: Mapping[Path, Any], pairs: Mapping[Path, Path]
+) -> tuple[tuple[str, str, str], ...]:
+    """``(path, from, to)`` of the matched values whose dtype differs from their slot's."""
+    out = []
+    for path, source in pairs.items():
+        slot, value = target.slots[path], entries[source]
+        if _widens(slot, value):
+            out.append((path_str(path), dtype_name(value.dtype), dtype_name(slot.dtype)))
+    return tuple(sorted(out))
+
+
+def _match_roles(
+    target: Target, entries: Mapping[Path, Any], policy: Policy, roles: Roles, pairs: dict[Path, Path]
+) -> dict[Path, Path]:
+    """Adds to ``pairs`` the target paths whose role only one fitting source entry has; returns those."""
+    by_role: dict[Path, list[Path]] = {}
+    for path in entries:
+        by_role.setdefault(roles.role(path), []).append(path)
+    renamed = {}
+    for path, slot in target.slots.items():
+        if path in pairs:
+            continue
+        candidates = by_role.get(roles.role(path), [])
+        if len(candidates) == 1 and policy.misfit(slot, entries[candidates[0]]) is None:
+            pairs[path] = renamed[path] = candidates[0]
+    return renamed
+
+
+class Messages(NamedTuple):
+    """What a caller says when a source does not fit: the error's lead and hint, the warning's lead."""
+
+    lead: str
+    hint: str
+    warning: str
+
+
+def _judge(report: LoadReport, strict: bool | None, messages: Messages) -> None:
+    """Raises (``strict``), warns (``strict=False``) or says nothing (``None``) about a report not ok."""
+    if report.ok or strict is None:
+        return
+    if strict:
+        cause = (
+            "It was saved from another model or optimizer. " if report.missing or report.unexpected else ""
+        )
+        raise StateDictError.of(messages.lead, report, f"{cause}{messages.hint}".strip())
+    warnings.warn(StateDictWarning.of(messages.warning, report), stacklevel=_user_stacklevel())
+
+
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` of the first frame outside treeopt: a warning points at the user's line."""
+    frame, level = inspect.currentframe(), 1
+    while frame is not None and frame.f_globals.get("__name__", "").split(".")[0] == "treeopt":
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def _fill(
+    target: Target, pairs: Mapping[Path, Path], values: Mapping[Path, Any], policy: Policy, copy: bool
+) -> Any:
+    """Step 4: the target rebuilt with its leaves at ``pairs`` taken from ``values``.
+
+    A leaf of an abstract target (``jax.eval_shape``) that the source does not
+    provide has no value to keep: an error naming every such path.
+    """
+    leaves = list(target.leaves)
+    abstract_left = []
+    for path, slot in target.slots.items():
+        if path in pairs:
+            leaves[slot.index] = policy.convert(slot, values[pairs[path]], copy)
+        elif slot.abstract:
+            abstract_left.append(path_str(path))
+    if abstract_left:
+        raise StateDictError(
+            "The target is abstract (jax.eval_shape), so leaves the source does not provide have "
+            f"no value to keep: {abstract_left}. Load into a concrete target instead "
+            "(opt.init(params) for an optimizer)."
+        )
+    return jax.tree.unflatten(target.treedef, leaves)
+
+
+def read_verified(source: Source, placements: Mapping[Path, Any], policy: Policy = EXACT) -> Any:
+    """Step 3 and the check of step 4: the source's nested values, placed, verified against its checksum."""
+    nested = source.read(placements)
+    values = flatten_paths(nested, keep_none=True)
+    if not matches(values, source.stored_checksum(), nested=nested if policy.legacy_digest else None):
+        raise source.corrupted()
+    return nested
+
+
+def load(
+    target: Target,
+    source: Source,
+    policy: Policy,
+    messages: Messages,
+    *,
+    strict: bool | None = True,
+    roles: Roles | None = None,
+) -> tuple[Any, LoadReport]:
+    """The four steps: ``(the target rebuilt with the source's values, report)``.
+
+    ``strict``: raise a :class:`~treeopt.errors.StateDictError` for any path
+    that does not match (``True``), warn and load what matches (``False``), or
+    load what matches silently (``None``, a warm start, whose report says it).
+    ``roles``: also match by state field and parameter name (a warm start).
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> target = Target.of({"w": jnp.zeros(2)}, plain=lambda tree: tree)
+        >>> tree, report = load(target, StateDictSource({"w": jnp.ones(2)}), EXACT, Messages("", "", ""))
+        >>> tree["w"], report.loaded
+        (Array([1., 1.], dtype=float32), ('w',))
+    """
+    pairs, report = match(target, source.entries(), policy, roles)
+    _judge(report, strict, messages)
+    placements = {pairs[path]: target.slots[path].sharding for path in pairs}
+    values = flatten_paths(read_verified(source, placements, policy), keep_none=True)
+    return _fill(target, pairs, values, policy, copy=not source.fresh), report

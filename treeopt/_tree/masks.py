@@ -1,0 +1,106 @@
+"""Masks and labels from parameter names, for ``optax.masked``, ``multi_transform`` and friends.
+
+Patterns are globs matched against the whole name (``"*/kernel"``, ``"encoder/*"``;
+``*`` also crosses ``"/"``), or regular expressions searched in the name with
+``regex=True`` (``r"kernel$"``). The returned callables take any params tree
+(treeopt's flat named dict, or a nested tree when used with raw optax) and
+return a tree of the same structure.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from treeopt._tree.paths import leaf_names
+from treeopt.typing import Params, TreeFn
+
+__all__ = ["labels", "mask", "name_matcher"]
+
+
+def name_matcher(patterns: str | Iterable[str], regex: bool = False) -> Callable[[str], bool]:
+    """A predicate that is True for names matching any of ``patterns``.
+
+    Example:
+        >>> is_kernel = name_matcher("*kernel")
+        >>> is_kernel("dense/kernel"), is_kernel("dense/bias")
+        (True, False)
+    """
+    if isinstance(patterns, str):
+        patterns = [patterns]
+    compiled = [re.compile(p if regex else fnmatch.translate(p)) for p in patterns]
+    if regex:
+        return lambda name: any(c.search(name) for c in compiled)
+    return lambda name: any(c.match(name) for c in compiled)
+
+
+def _map_names(fn: Callable[[str], Any], params: Params) -> Any:
+    dtype = getattr(params, "dtype", None)
+    if dtype is not None and jnp.issubdtype(dtype, jnp.integer):
+        # optax.inject_hyperparams calls non-static callables with the integer step count;
+        # a params tree (even a single array, named "") is a container or a float leaf.
+        raise TypeError(
+            "A name mask/labels callable got a single unnamed value instead of a params "
+            "tree. Inside optax.inject_hyperparams, declare it static: "
+            "optax.inject_hyperparams(optax.adamw, static_args='mask')(...)."
+        )
+    names = iter(leaf_names(params))
+    return jax.tree.map(lambda _: fn(next(names)), params)
+
+
+def mask(*patterns: str, regex: bool = False, invert: bool = False) -> TreeFn:
+    """A mask callable: True where a parameter's name matches one of ``patterns``.
+
+    Use it wherever optax takes a mask (``optax.masked``, ``optax.adamw(mask=...)``).
+
+    Example:
+        >>> import optax, jax.numpy as jnp
+        >>> no_decay_on_bias = mask("*bias", invert=True)
+        >>> no_decay_on_bias({"dense/kernel": jnp.ones(2), "dense/bias": jnp.ones(2)})
+        {'dense/bias': False, 'dense/kernel': True}
+        >>> tx = optax.adamw(1e-3, mask=no_decay_on_bias)
+    """
+    if not patterns:
+        raise ValueError("mask() needs at least one pattern, e.g. mask('*kernel').")
+    match = name_matcher(patterns, regex)
+    return lambda params: _map_names(lambda name: match(name) != invert, params)
+
+
+def labels(
+    rules: Mapping[str, str] | Sequence[tuple[str, str]],
+    default: str | None = None,
+    regex: bool = False,
+) -> TreeFn:
+    """A labels callable for ``optax.multi_transform`` / ``optax.partition``: first matching rule wins.
+
+    Names that match no rule get ``default``; with no default they are an error
+    that names them.
+
+    Example:
+        >>> import optax, jax.numpy as jnp
+        >>> by_kind = labels({"*kernel": "decay", "*bias": "no_decay"})
+        >>> by_kind({"dense/kernel": jnp.ones(2), "dense/bias": jnp.ones(2)})
+        {'dense/bias': 'no_decay', 'dense/kernel': 'decay'}
+        >>> tx = optax.multi_transform(
+        ...     {"decay": optax.adamw(1e-3), "no_decay": optax.adam(1e-3)}, by_kind)
+    """
+    items = list(rules.items()) if isinstance(rules, Mapping) else list(rules)
+    matchers = [(name_matcher(pattern, regex), label) for pattern, label in items]
+
+    def label_of(name: str) -> str:
+        for match, label in matchers:
+            if match(name):
+                return label
+        if default is None:
+            raise ValueError(
+                f"Parameter '{name}' matches no label rule {[p for p, _ in items]}; "
+                "add a rule for it or pass default=..."
+            )
+        return default
+
+    return lambda params: _map_names(label_of, params)
