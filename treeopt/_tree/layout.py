@@ -20,7 +20,6 @@ Example:
 from __future__ import annotations
 
 import functools
-import sys
 from collections import Counter
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -31,15 +30,8 @@ import numpy as np
 import optax
 
 from treeopt._tree.masks import name_matcher
-from treeopt._tree.paths import (
-    LeafInfo,
-    check_unique,
-    is_nnx_graph,
-    is_nnx_param,
-    is_nnx_variable,
-    leaf_infos,
-    leaf_names,
-)
+from treeopt._tree.nnx_graph import filter_predicate, is_nnx_filter, is_nnx_graph, is_nnx_param, write_into
+from treeopt._tree.paths import LeafInfo, check_unique, leaf_infos, leaf_names
 from treeopt.errors import TreeMismatchError, describe
 from treeopt.typing import FlatParams, Params, Updates
 
@@ -84,46 +76,10 @@ def is_float_array(leaf: Any) -> bool:
 Select = Callable[[LeafInfo, Any], bool]
 
 
-def _nnx_filter_types() -> tuple[type, ...]:
-    filterlib = sys.modules.get("flax.nnx.filterlib")
-    if filterlib is None:
-        return ()
-    names = ("OfType", "PathContains", "PathIn", "WithTag", "Any", "All", "Not", "Everything", "Nothing")
-    return tuple(t for t in (getattr(filterlib, n, None) for n in names) if isinstance(t, type))
-
-
-def is_nnx_filter(wrt: Any) -> bool:
-    """True where ``wrt`` is read as an nnx filter rather than a glob or a ``(name, leaf)`` predicate.
-
-    A class (``nnx.Param``, ``nnx.BatchStat``, any ``Variable`` type), ``...``,
-    ``True``/``False`` and the filter objects of ``flax.nnx.filterlib``
-    (``nnx.PathContains``, ``nnx.Any``, ``nnx.All``, ``nnx.Not``, ``nnx.WithTag``,
-    ...) are nnx filters; a string is a glob over names and any other callable
-    a ``(name, leaf)`` predicate. Wrap an nnx-style ``(path, variable)``
-    function in ``nnx.Any(fn)`` to have it read as an nnx filter.
-
-    Example:
-        >>> from flax import nnx
-        >>> is_nnx_filter(nnx.Param), is_nnx_filter(nnx.Not(nnx.Param))
-        (True, True)
-        >>> is_nnx_filter("encoder/*"), is_nnx_filter(lambda name, leaf: True)
-        (False, False)
-    """
-    if isinstance(wrt, (type, bool)) or wrt is Ellipsis:
-        return True
-    types = _nnx_filter_types()
-    return bool(types) and isinstance(wrt, types)
-
-
-def _nnx_predicate(wrt: Any) -> Select:
+def _nnx_select(wrt: Any) -> Select:
     """``wrt`` (an nnx filter) called as nnx calls it: with the path and the ``Variable``."""
-    if isinstance(wrt, bool) or wrt is Ellipsis:
-        keep = wrt is not False
-        return lambda info, leaf: keep
-    if isinstance(wrt, type):
-        cls = wrt
-        return lambda info, leaf: isinstance(info.variable if info.variable is not None else leaf, cls)
-    return lambda info, leaf: bool(wrt(info.path, info.variable if info.variable is not None else leaf))
+    predicate = filter_predicate(wrt)
+    return lambda info, leaf: bool(predicate(info.path, info.variable if info.variable is not None else leaf))
 
 
 def _default_select(info: LeafInfo, leaf: Any) -> bool:
@@ -145,7 +101,7 @@ def _selector(wrt: Wrt) -> Select:
         parts = [_selector(w) for w in wrt]
         return lambda info, leaf: any(select(info, leaf) for select in parts)
     if is_nnx_filter(wrt):
-        predicate = _nnx_predicate(wrt)
+        predicate = _nnx_select(wrt)
         return lambda info, leaf: is_float_array(leaf) and predicate(info, leaf)
     if callable(wrt):
         return lambda info, leaf: bool(wrt(info.name, leaf))
@@ -336,18 +292,15 @@ class ParamLayout:
         self._check_avals(trainable, "params")
 
         def write(flat: FlatParams) -> Params:
-            if slots is not None:
-                nodes = jax.tree.leaves(module, is_leaf=is_nnx_variable)
-                for name, slot in zip(self.names, slots, strict=True):
-                    _set_variable(nodes[slot], flat[name])
-                return module
-            import flax.nnx as nnx  # a trained array that is not the whole value of a Variable
+            values = [flat[name] for name in self.names]
 
-            new = list(leaves)
-            for name, i in zip(self.names, index, strict=True):
-                new[i] = flat[name]
-            nnx.update(module, nnx.state(treedef.unflatten(new)))
-            return module
+            def rebuilt() -> Any:
+                new = list(leaves)
+                for i, value in zip(index, values, strict=True):
+                    new[i] = value
+                return treedef.unflatten(new)
+
+            return write_into(module, slots, values, rebuilt)
 
         return Flattened(dict(zip(self.names, trainable, strict=True)), write)
 
@@ -506,13 +459,6 @@ def _empty_selection_message(wrt: Wrt, params: Any, infos: list[LeafInfo], leave
     elif wrt is None and not any(is_float_array(leaf) for leaf in leaves):
         message += "\nNo leaf is a floating-point array: create params as floats (jnp.array([1.0, 2.0]))."
     return message
-
-
-def _set_variable(variable: Any, value: Any) -> None:
-    if hasattr(variable, "set_value"):
-        variable.set_value(value)
-    else:  # pragma: no cover - flax before 0.12
-        variable.value = value
 
 
 def is_lookahead(params: Any) -> bool:

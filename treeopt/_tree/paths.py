@@ -8,13 +8,14 @@ attribute of a ``flax.nnx.Variable`` is dropped, so an nnx state reads
 
 from __future__ import annotations
 
-import sys
 from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
 from jax.tree_util import KeyPath
+
+from treeopt._tree.nnx_graph import variable_type as nnx_variable_type
 
 SEPARATOR = "/"
 
@@ -28,62 +29,6 @@ def path_to_name(path: KeyPath) -> str:
         'encoder/0/kernel'
     """
     return jax.tree_util.keystr(tuple(path), simple=True, separator=SEPARATOR)
-
-
-def _nnx() -> Any:
-    # Only look for nnx when the user imported it: treeopt never imports it itself.
-    return sys.modules.get("flax.nnx")
-
-
-def _nnx_variable_type() -> type | None:
-    nnx = _nnx()
-    return getattr(nnx, "Variable", None) if nnx is not None else None
-
-
-def _nnx_class(*names: str) -> type | None:
-    nnx = _nnx()
-    for name in names:
-        cls = getattr(nnx, name, None) if nnx is not None else None
-        if isinstance(cls, type):
-            return cls
-    return None
-
-
-def is_nnx_variable(x: Any) -> bool:
-    """True for a ``flax.nnx.Variable`` (``nnx.Param``, ``nnx.BatchStat``, ...).
-
-    Example:
-        >>> import jax.numpy as jnp
-        >>> is_nnx_variable(jnp.ones(2))
-        False
-    """
-    cls = _nnx_variable_type()
-    return cls is not None and isinstance(x, cls)
-
-
-def is_nnx_param(x: Any) -> bool:
-    """True for a ``flax.nnx.Param`` (or a subclass, such as ``nnx.LoRAParam``)."""
-    cls = _nnx_class("Param")
-    return cls is not None and isinstance(x, cls)
-
-
-def is_nnx_graph(x: Any) -> bool:
-    """True for an nnx graph object: an ``nnx.Module`` (an ``nnx.Pytree`` / ``nnx.Object``).
-
-    Example:
-        >>> is_nnx_graph({"w": 1.0})
-        False
-    """
-    cls = _nnx_class("Pytree", "Object")
-    return cls is not None and isinstance(x, cls)
-
-
-def is_nnx_object(x: Any) -> bool:
-    """True for an nnx Module, ``nnx.State`` or ``nnx.Variable``: what nnx puts where treeopt wants grads."""
-    if is_nnx_graph(x) or is_nnx_variable(x):
-        return True
-    cls = _nnx_class("State")
-    return cls is not None and isinstance(x, cls)
 
 
 def _drop_lone_indices(paths: list[KeyPath]) -> list[KeyPath]:
@@ -116,7 +61,7 @@ def _walk(tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> _Walk:
 
     The outer leaves are those of ``jax.tree.leaves(tree, is_leaf=is_nnx_variable)``.
     """
-    variable_type = _nnx_variable_type()
+    variable_type = nnx_variable_type()
     if variable_type is None:
         flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]
         return _Walk(

@@ -24,7 +24,7 @@ from typing import Any
 import jax
 
 from treeopt._tree.layout import ParamLayout
-from treeopt._tree.paths import is_nnx_graph, is_nnx_object, is_nnx_param, is_nnx_variable
+from treeopt._tree.nnx_graph import holds_model_state, is_nnx_graph, is_nnx_object
 
 __all__ = ["refuse_swapped", "swapped_after_mismatch", "swapped_message"]
 
@@ -38,12 +38,6 @@ def refuse_swapped(grads: Any, params: Any) -> None:
     """
     if params is not None and is_nnx_graph(grads) and not is_nnx_graph(params):
         raise TypeError(swapped_message(grads, params))
-
-
-def _holds_model_state(tree: Any) -> bool:
-    """Whether ``tree`` holds an nnx Variable that is not a Param: batch statistics, RNG state, caches."""
-    nodes = jax.tree.leaves(tree, is_leaf=is_nnx_variable)
-    return any(is_nnx_variable(node) and not is_nnx_param(node) for node in nodes)
 
 
 def swapped_after_mismatch(grads: Any, params: Any, layout: ParamLayout, *, grads_matched: bool) -> bool:
@@ -72,7 +66,7 @@ def swapped_after_mismatch(grads: Any, params: Any, layout: ParamLayout, *, grad
         return False
     if grads_matched:
         return jax.tree.structure(grads) == layout.treedef
-    return _holds_model_state(grads) and not _holds_model_state(params)
+    return holds_model_state(grads) and not holds_model_state(params)
 
 
 def swapped_message(grads: Any, params: Any) -> str:
@@ -87,7 +81,7 @@ def swapped_message(grads: Any, params: Any) -> str:
         if is_nnx_graph(x):
             return f"the nnx Module {type(x).__name__}"
         if is_nnx_object(x):
-            kind = " holding model state (batch statistics, RNG state)" if _holds_model_state(x) else ""
+            kind = " holding model state (batch statistics, RNG state)" if holds_model_state(x) else ""
             return f"an nnx {type(x).__name__}{kind}"
         return f"a {type(x).__name__}"
 

@@ -16,7 +16,8 @@ import jax
 import numpy as np
 
 from treeopt._tree.layout import ParamLayout
-from treeopt._tree.paths import is_nnx_graph, leaf_infos, leaf_names
+from treeopt._tree.nnx_graph import from_flat_state, is_nnx_graph
+from treeopt._tree.paths import leaf_infos, leaf_names
 from treeopt.step import ARRAYS
 
 __all__ = ["as_optax_extra_args"]
@@ -82,12 +83,10 @@ def trained_state(module: Any, layout: ParamLayout) -> Any:
         >>> type(state).__name__, sorted(state), state["bias"]
         ('State', ['bias', 'kernel'], Array([0.], dtype=float32))
     """
-    import flax.nnx as nnx  # params are an nnx Module: nnx is imported
-
     leaves, treedef = jax.tree.flatten(module)
     infos = leaf_infos(module)
     index = layout.trained_positions(module, treedef)
-    return nnx.from_flat_state([(infos[i].path, leaves[i]) for i in index])
+    return from_flat_state([(infos[i].path, leaves[i]) for i in index])
 
 
 class _InUserStructure:

@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 import optax
 
 from treeopt._tree.layout import ParamLayout, is_lookahead
-from treeopt._tree.paths import is_nnx_graph
+from treeopt._tree.nnx_graph import is_nnx_graph
 from treeopt._update.argument_order import refuse_swapped, swapped_after_mismatch, swapped_message
 from treeopt._update.extra_args import as_optax_extra_args
 from treeopt._update.trace_guard import is_tracer, refuse_capture, refuse_foreign_trace
