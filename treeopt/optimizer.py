@@ -12,9 +12,10 @@ from jax.tree_util import GetAttrKey
 
 from treeopt import hyperparams as _hyperparams
 from treeopt._compat.deprecations import moved_names
-from treeopt._sharding.optimizer_specs import optimizer_state_specs, state_parts
+from treeopt._sharding.optimizer_specs import optimizer_state_specs
 from treeopt._state import state_dict as _state_dict
 from treeopt._state.master import checked_master_dtype, masters_of
+from treeopt._state.state_dict import StateParts
 from treeopt._tree.layout import ParamLayout, Wrt, is_lookahead
 from treeopt._update.donated import donated, refuse_donated
 from treeopt._update.inputs import FlatInputs, flat_inputs
@@ -426,7 +427,7 @@ class Optimizer:
             {'dense/kernel': Array([0., 0.], dtype=float32)}
         """
         refuse_donated(self)
-        return _state_dict.state_dict(self)
+        return _state_dict.state_dict(state_parts(self))
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> Optimizer:
         """A new optimizer like this one, with its state from ``state_dict`` (``self`` is unchanged).
@@ -450,7 +451,9 @@ class Optimizer:
             >>> int(restored.step)
             1
         """
-        return _state_dict.load_state_dict(self, state_dict, strict=strict)
+        return with_state_parts(
+            self, _state_dict.load_state_dict(state_parts(self), state_dict, strict=strict)
+        )
 
     # -- partitioning (partition_specs) --------------------------------------------
 
@@ -540,6 +543,31 @@ class Optimizer:
         step = self.step
         step_text = "traced" if is_tracer(step) else "donated" if donated(step) else str(jax.device_get(step))
         return f"Optimizer(tx={_tx_name(self.tx)}, step={step_text}, params={len(self._layout.names)})"
+
+
+def state_parts(opt: Optimizer) -> StateParts:
+    """The leaves of an initialized optimizer's state, as the layers below it take them.
+
+    Example:
+        >>> import jax.numpy as jnp, optax, treeopt
+        >>> parts = state_parts(treeopt.Optimizer(optax.sgd(0.1)).init({"w": jnp.ones(2)}))
+        >>> int(parts.step), parts.master
+        (0, {})
+    """
+    opt.layout  # noqa: B018 - reading it raises the error that says to call init first
+    return StateParts(opt.step, opt.opt_state, opt.master)
+
+
+def with_state_parts(opt: Optimizer, parts: StateParts) -> Optimizer:
+    """A new optimizer like ``opt`` (same transformation and layout) holding ``parts``.
+
+    Example:
+        >>> import jax.numpy as jnp, optax, treeopt
+        >>> opt = treeopt.Optimizer(optax.sgd(0.1)).init({"w": jnp.ones(2)})
+        >>> int(with_state_parts(opt, state_parts(opt)._replace(step=jnp.int32(5))).step)
+        5
+    """
+    return jax.tree.unflatten(jax.tree.structure(opt), jax.tree.leaves(parts))
 
 
 def _tx_name(tx: optax.GradientTransformation) -> str:

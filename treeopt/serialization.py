@@ -29,10 +29,9 @@ from treeopt import errors
 from treeopt._compat.deprecations import moved_names
 from treeopt._state import state_dict as _sd
 from treeopt._state.checksum import CHECKSUM_KEY, with_checksum
-from treeopt._state.state_dict import check_state_dict
 from treeopt._tree.masks import name_matcher
 from treeopt.errors import LoadReport, StateDictError, StateDictWarning
-from treeopt.optimizer import Optimizer
+from treeopt.optimizer import Optimizer, state_parts, with_state_parts
 
 __all__ = [
     "CHECKSUM_KEY",
@@ -161,6 +160,30 @@ def warm_start(
         1
     """
     sd = source.state_dict() if isinstance(source, Optimizer) else source
-    return _sd.warm_start(
-        opt, sd, include=_matcher(include), exclude=_matcher(exclude), hyperparams=hyperparams
+    parts, report = _sd.warm_start(
+        state_parts(opt),
+        opt.paths,
+        sd,
+        include=_matcher(include),
+        exclude=_matcher(exclude),
+        hyperparams=hyperparams,
     )
+    return with_state_parts(opt, parts), report
+
+
+def check_state_dict(opt: Optimizer, sd: Mapping[str, Any]) -> LoadReport:
+    """What ``opt.load_state_dict(sd)`` would load, and what it would not, without loading.
+
+    Example:
+        >>> import jax.numpy as jnp, optax, treeopt
+        >>> adam = treeopt.Optimizer(optax.adam(0.1)).init({"w": jnp.ones(2)})
+        >>> sgd = treeopt.Optimizer(optax.sgd(0.1, momentum=0.9)).init({"w": jnp.ones(2)})
+        >>> print(check_state_dict(sgd, adam.state_dict()).problems())
+        missing (1):
+          opt_state/0/trace/w
+        unexpected (3):
+          opt_state/0/count
+          opt_state/0/mu/w
+          opt_state/0/nu/w
+    """
+    return _sd.check_state_dict(state_parts(opt), sd)

@@ -27,7 +27,7 @@ from treeopt._state.plain import Path, flatten_paths
 from treeopt._tree.paths import leaf_names
 from treeopt.errors import CheckpointError
 from treeopt.keys import key_data
-from treeopt.optimizer import Optimizer
+from treeopt.optimizer import Optimizer, state_parts, with_state_parts
 
 OPTIMIZER_ITEM = "optimizer"
 PARAMS_ITEM = "params"
@@ -279,13 +279,14 @@ class Reader:
         if params is not None and PARAMS_ITEM not in items:
             raise _no_params_error(self.where, items[OPTIMIZER_ITEM].custom)
         target = _with_shardings(target, shardings, "optimizer")
-        opt, _ = load(
-            _state_dict.target(target),
+        parts, _ = load(
+            _state_dict.target(state_parts(target)),
             items[OPTIMIZER_ITEM],
             EXACT,
             _messages(self.where, "optimizer"),
             strict=strict,
         )
+        opt = with_state_parts(target, parts)
         if params is None:
             return opt
         params = _with_shardings(params, param_shardings, "params")

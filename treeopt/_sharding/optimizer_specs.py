@@ -19,9 +19,9 @@ from treeopt._sharding.zero import zero_plan
 from treeopt._tree.layout import ParamLayout
 
 
-def state_parts(opt: Any) -> dict[str, Any]:
-    """The parts of an initialized optimizer's state whose leaves belong to parameters, by name."""
-    return {"opt_state": opt.opt_state, "master": opt.master}
+def param_owned(parts: Any) -> dict[str, Any]:
+    """The parts of a state whose leaves belong to parameters, by name: the optax state and the masters."""
+    return {"opt_state": parts.opt_state, "master": parts.master}
 
 
 def state_specs(
@@ -56,7 +56,7 @@ def state_specs(
 
 
 def optimizer_state_specs(
-    parts: Mapping[str, Any],
+    parts: Any,
     layout: ParamLayout,
     param_specs: Any,
     *,
@@ -65,13 +65,14 @@ def optimizer_state_specs(
 ) -> dict[str, Any]:
     """The specs of a state's parts from a params-shaped tree of specs, checked; what ``partition_specs`` uses.
 
+    ``parts`` are the state's parts (``step``, ``opt_state``, ``master``);
     ``param_specs`` is any params-shaped tree (or the flat dict) of
     ``PartitionSpec``/``None``, checked by :func:`flat_param_specs`; with a
     ``mesh`` each spec's axes are also checked against it (the error names the
     parameter). ``parts`` and ``shard_state_over``: see :func:`state_specs`.
     """
     flat = checked_param_specs(param_specs, layout, mesh)
-    return state_specs(parts, layout, flat, shard_state_over=shard_state_over, mesh=mesh)
+    return state_specs(param_owned(parts), layout, flat, shard_state_over=shard_state_over, mesh=mesh)
 
 
 def checked_param_specs(param_specs: Any, layout: ParamLayout, mesh: Any) -> dict[str, PartitionSpec]:

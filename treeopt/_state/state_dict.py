@@ -1,6 +1,6 @@
-"""State dicts of an Optimizer: nested plain dicts of arrays, keyed by parameter name.
+"""State dicts of an optimizer's state parts: nested plain dicts of arrays, keyed by parameter name.
 
-``state_dict(opt)`` is ``{"step": ..., "opt_state": ...}``: ``opt_state`` in
+``state_dict(parts)`` of the :class:`StateParts` (step, optax state, masters) is ``{"step": ..., "opt_state": ...}``: ``opt_state`` in
 the plain form of :mod:`treeopt._state.plain`; with master weights also
 ``"master": {name: array}``. The params-shaped parts of an optax
 state are already dicts keyed by parameter name (the optimizer runs optax on
@@ -17,14 +17,14 @@ state field and parameter name too, casts a narrower floating value up where
 that loses nothing (a bfloat16 run's moments into float32 state), and never
 raises for a mismatch.
 
-This module only sees the Optimizer through its pytree and public
-attributes, so ``optimizer.py`` can import it.
+This module is handed the state's parts and returns parts: the optimizer
+rebuilds itself from them (``treeopt.optimizer.with_state_parts``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
 
 from treeopt._state.engine import (
     EXACT,
@@ -52,47 +52,44 @@ _LOAD = Messages(
 )
 
 
-def plain_state(opt: Any) -> dict[str, Any]:
-    """The state dict of ``opt`` built from its leaves as they are (also for a tree of indices)."""
-    plain = {"step": key_data(opt.step), "opt_state": to_plain(opt.opt_state)}
-    if opt.master:
-        plain["master"] = dict(opt.master)
+class StateParts(NamedTuple):
+    """The leaves of an optimizer's state: the step count, the optax state and the master copies.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> parts = StateParts(jnp.int32(3), {"w": jnp.zeros(2)}, {})
+        >>> sorted(state_dict(parts))
+        ['opt_state', 'step']
+    """
+
+    step: Any
+    opt_state: Any
+    master: Any
+
+
+def plain_state(parts: StateParts) -> dict[str, Any]:
+    """The state dict of ``parts`` built from its leaves as they are (also for a tree of indices)."""
+    plain = {"step": key_data(parts.step), "opt_state": to_plain(parts.opt_state)}
+    if parts.master:
+        plain["master"] = dict(parts.master)
     return plain
 
 
-def _initialized(opt: Any) -> Any:
-    opt.layout  # noqa: B018 - reading it raises the error that says to call init first
-    return opt
+def state_dict(parts: StateParts) -> dict[str, Any]:
+    """``{"step": ..., "opt_state": ...}`` (and ``"master"``) of the state's parts (see the module doc)."""
+    return plain_state(parts)
 
 
-def state_dict(opt: Any) -> dict[str, Any]:
-    """``{"step": ..., "opt_state": ...}`` of an initialized optimizer (see the module doc)."""
-    return plain_state(_initialized(opt))
+def target(parts: StateParts) -> Target:
+    """The slots of the state's parts, at the paths of their state dict."""
+    return Target.of(parts, plain=plain_state)
 
 
-def target(opt: Any) -> Target:
-    """The slots of an initialized optimizer, at the paths of its state dict."""
-    return Target.of(_initialized(opt), plain=plain_state)
-
-
-def check_state_dict(opt: Any, sd: Any) -> LoadReport:
-    """What ``opt.load_state_dict(sd)`` would load, and what it would not, without loading.
-
-    Example:
-        >>> import jax.numpy as jnp, optax, treeopt
-        >>> adam = treeopt.Optimizer(optax.adam(0.1)).init({"w": jnp.ones(2)})
-        >>> sgd = treeopt.Optimizer(optax.sgd(0.1, momentum=0.9)).init({"w": jnp.ones(2)})
-        >>> print(check_state_dict(sgd, adam.state_dict()).problems())
-        missing (1):
-          opt_state/0/trace/w
-        unexpected (3):
-          opt_state/0/count
-          opt_state/0/mu/w
-          opt_state/0/nu/w
-    """
+def check_state_dict(parts: StateParts, sd: Any) -> LoadReport:
+    """What loading ``sd`` into ``parts`` would load, and what it would not (see ``serialization.check_state_dict``)."""
     source = StateDictSource(sd, "check_state_dict")
     read_verified(source, {})
-    return match(target(opt), source.entries(), EXACT)[1]
+    return match(target(parts), source.entries(), EXACT)[1]
 
 
 def _refuse_a_negative_step(sd: Any) -> None:
@@ -105,20 +102,24 @@ def _refuse_a_negative_step(sd: Any) -> None:
         )
 
 
-def load_state_dict(opt: Any, sd: Any, strict: bool = True) -> Any:
-    """A new optimizer like ``opt`` with its state from ``sd`` (see ``Optimizer.load_state_dict``)."""
+def load_state_dict(parts: StateParts, sd: Any, strict: bool = True) -> StateParts:
+    """New parts like ``parts`` with the values of ``sd`` (see ``Optimizer.load_state_dict``)."""
     _refuse_a_negative_step(sd)
-    return load(target(opt), StateDictSource(sd), EXACT, _LOAD, strict=strict)[0]
+    return load(target(parts), StateDictSource(sd), EXACT, _LOAD, strict=strict)[0]
 
 
 def warm_start(
-    opt: Any,
+    parts: StateParts,
+    names: Sequence[str],
     source: Any,
     include: Callable[[str], bool] | None = None,
     exclude: Callable[[str], bool] | None = None,
     hyperparams: bool = False,
-) -> tuple[Any, LoadReport]:
-    """Copies the leaves of ``source`` (a state dict) that fit ``opt``; see ``serialization.warm_start``."""
+) -> tuple[StateParts, LoadReport]:
+    """Copies the leaves of ``source`` (a state dict) that fit ``parts``; see ``serialization.warm_start``.
+
+    ``names`` are the trained parameters' names.
+    """
 
     def wanted(path: Path) -> bool:
         name = path_str(path)
@@ -127,6 +128,6 @@ def warm_start(
         return (include is None or include(name)) and not (exclude is not None and exclude(name))
 
     _refuse_a_negative_step(source)
-    roles = Roles(frozenset(opt.paths), wanted)
+    roles = Roles(frozenset(names), wanted)
     source_ = StateDictSource(source, "warm_start")
-    return load(target(opt), source_, EXACT_OR_WIDER, _LOAD, strict=None, roles=roles)
+    return load(target(parts), source_, EXACT_OR_WIDER, _LOAD, strict=None, roles=roles)
