@@ -3,8 +3,9 @@
 ``Optimizer(tx, master_dtype=jnp.float32)`` keeps, for every trainable
 floating leaf narrower than ``master_dtype`` (bfloat16, float16, float8), a
 copy in ``master_dtype`` keyed by its name; ``tx`` runs on those copies
-(:func:`treeopt.step.flat_step` with ``master=``) and the params get them cast
-back to their own dtype. Leaves already as wide are stepped as they are.
+(:func:`master_step`, which :func:`treeopt.step.flat_step` runs when given
+masters) and the params get them cast back to their own dtype. Leaves already
+as wide are stepped as they are.
 """
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
+
+from treeopt._state.step_io import FlatStep, StepInputs
 
 
 def checked_master_dtype(master_dtype: Any) -> np.dtype | None:
@@ -72,3 +76,33 @@ def masters_of(flat: Mapping[str, Any], master_dtype: np.dtype | None) -> dict[s
     return {
         name: leaf.astype(master_dtype) for name, leaf in flat.items() if narrower(leaf.dtype, master_dtype)
     }
+
+
+def master_step(inputs: StepInputs, extra: Mapping[str, Any]) -> FlatStep:
+    """The step on the master copies: grads cast up, ``tx`` run and applied on the masters.
+
+    Leaves without a master are stepped as without them. The output for a
+    leaf with one is its new master cast to the param's dtype, or (the
+    updates) that minus the param given, in the master's dtype.
+    """
+    master, flat_grads, flat_params = inputs.master, inputs.grads, inputs.params
+    grads = {k: g.astype(master[k].dtype) if k in master else g for k, g in flat_grads.items()}
+    params: dict[str, Any] | None
+    if flat_params is not None:
+        params = {k: master[k] if k in master else p for k, p in flat_params.items()}
+        dtypes = {k: flat_params[k].dtype for k in master}
+    else:  # tx reads the masters, if every trained leaf has one
+        params = {k: master[k] for k in flat_grads} if set(flat_grads) <= set(master) else None
+        dtypes = inputs.dtypes() or {}
+    updates, new_state = inputs.tx.update(grads, inputs.opt_state, params, **extra)
+    new_master = optax.apply_updates(dict(master), {k: updates[k] for k in master})
+    out = {}
+    for k in flat_grads:
+        if k not in master:
+            out[k] = optax.apply_updates(flat_params[k], updates[k]) if inputs.apply_updates else updates[k]
+        elif inputs.apply_updates:
+            out[k] = new_master[k].astype(dtypes[k])
+        else:
+            given = flat_params[k] if flat_params is not None else master[k].astype(dtypes[k])
+            out[k] = new_master[k].astype(dtypes[k]).astype(master[k].dtype) - given.astype(master[k].dtype)
+    return FlatStep(jnp.asarray(inputs.step) + 1, new_state, out, new_master)

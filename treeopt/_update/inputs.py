@@ -49,16 +49,13 @@ def flat_inputs(
             "to get the updates."
         )
     refuse_swapped(grads, params)
+    grads_matched = False
     try:
         flat_grads, rebuild_grads = layout.split_grads(grads)
-    except ValueError:
-        if swapped_after_mismatch(grads, params, layout, grads_matched=False):
-            raise TypeError(swapped_message(grads, params)) from None
-        raise
-    try:
+        grads_matched = True
         flat_params, merge_params = split_params(layout, lookahead, params)
-    except ValueError:
-        if swapped_after_mismatch(grads, params, layout, grads_matched=True):
+    except ValueError:  # a mismatch: named as swapped arguments where it looks like them
+        if swapped_after_mismatch(grads, params, layout, grads_matched=grads_matched):
             raise TypeError(swapped_message(grads, params)) from None
         raise
     if extra_args:
