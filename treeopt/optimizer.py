@@ -124,9 +124,8 @@ class Optimizer:
     tx: optax.GradientTransformation
     """The optax transformation the optimizer applies (static: part of the jit cache key).
 
-    An ``optax.GradientTransformationExtraArgs`` is kept as is; a plain
-    ``GradientTransformation`` is wrapped to accept extra arguments, so this
-    may be another object than the one given.
+    It is the object given, except for an ``optax.MultiSteps``, whose
+    ``gradient_transformation()`` is kept.
 
     Example: ``opt.tx.update(grads, opt.opt_state, params)`` is optax's own step.
     """

@@ -160,3 +160,133 @@ def test_modules_and_functions_stay_small():
                 if length > 80:
                     too_long.append(f"{path.relative_to(PACKAGE)}:{node.lineno} {node.name}: {length} lines")
     assert not too_long
+
+
+# -- the wings -------------------------------------------------------------------------------------
+
+WINGS = ("_compat", "_tree", "_state", "_update", "_sharding", "_checkpoint")
+# What each wing may import of treeopt, besides itself and the foundations every layer uses.
+FOUNDATIONS = {"treeopt.errors", "treeopt.keys", "treeopt.typing"}
+MAY_IMPORT = {
+    "_compat": set(),
+    "_tree": {"_compat"},
+    "_state": {"_compat", "_tree"},
+    "_update": {"_compat", "_tree", "_state"},
+    "_sharding": {"_compat", "_tree", "_state"},
+    "_checkpoint": {"_compat", "_tree", "_state"},
+}
+# The one module allowed to touch JAX private APIs.
+JAX_PRIVATE = PACKAGE / "_compat" / "jax_private.py"
+
+
+def _treeopt_imports(path: Path) -> list[str]:
+    """The treeopt modules ``path`` imports (``from treeopt import x`` counts as ``treeopt.x``)."""
+    found = []
+    for node in ast.walk(_parsed(path)):
+        if isinstance(node, ast.Import):
+            found += [alias.name for alias in node.names if alias.name.split(".")[0] == "treeopt"]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "treeopt":
+            if node.module == "treeopt":
+                found += [f"treeopt.{alias.name}" for alias in node.names]
+            else:
+                found.append(node.module)
+    return found
+
+
+def test_the_top_of_the_package_holds_public_faces_only():
+    top = sorted(path.name for path in PACKAGE.glob("*.py"))
+    assert len(top) <= 14, top
+    assert not [name for name in top if name.startswith("_") and name != "__init__.py"]
+    wings = sorted(
+        path.name
+        for path in PACKAGE.iterdir()
+        if path.is_dir() and path.name.startswith("_") and path.name != "__pycache__"
+    )
+    assert wings == sorted(WINGS)
+
+
+@pytest.mark.parametrize("wing", WINGS)
+def test_each_wing_says_what_it_is_for_and_imports_only_what_it_may(wing):
+    modules = [path for path in (PACKAGE / wing).glob("*.py") if path.name != "__init__.py"]
+    assert len(modules) >= 2
+    doc = ast.get_docstring(_parsed(PACKAGE / wing / "__init__.py"))
+    assert doc and "May import" in doc
+    allowed = {f"treeopt.{w}" for w in MAY_IMPORT[wing] | {wing}} | FOUNDATIONS
+    offending = [
+        f"{path.name}: {module}"
+        for path in modules
+        for module in _treeopt_imports(path)
+        if not any(module == a or module.startswith(a + ".") for a in allowed)
+    ]
+    assert not offending
+
+
+def test_no_module_below_the_faces_imports_the_package_face_or_the_optimizer():
+    below = [path for wing in WINGS for path in (PACKAGE / wing).glob("*.py")]
+    below += [PACKAGE / name for name in ("step.py", "hyperparams.py", "errors.py", "keys.py", "typing.py")]
+    offending = [
+        f"{path.relative_to(PACKAGE)}: {module}"
+        for path in below
+        for module in _treeopt_imports(path)
+        if module in {"treeopt", "treeopt.optimizer"}
+        or module.startswith("treeopt.t5x")
+        or module == "treeopt.nnx"
+    ]
+    assert not offending
+
+
+def test_jax_private_apis_live_in_one_module():
+    offending = []
+    for path in _modules():
+        if path == JAX_PRIVATE:
+            continue
+        for node in ast.walk(_parsed(path)):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            if any(name.startswith(("jax._src", "jaxlib")) for name in names):
+                offending.append(f"{path.relative_to(PACKAGE)}:{node.lineno}")
+    assert not offending
+
+
+def test_no_getattr_reaches_a_private_member():
+    offending = []
+    for path in _modules():
+        if path == JAX_PRIVATE:
+            continue
+        for node in ast.walk(_parsed(path)):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id in {"getattr", "hasattr", "setattr"}
+                and len(node.args) >= 2
+                and isinstance(node.args[1], ast.Constant)
+                and isinstance(node.args[1].value, str)
+                and node.args[1].value.startswith("_")
+                and not node.args[1].value.startswith("__")
+                and node.args[1].value not in {"_fields", "_replace", "_asdict"}  # a NamedTuple's public API
+                and not (isinstance(node.args[0], ast.Name) and node.args[0].id in {"self", "cls"})
+            ):
+                offending.append(f"{path.relative_to(PACKAGE)}:{node.lineno} {ast.unparse(node)}")
+    assert not offending
+
+
+def test_flax_nnx_is_imported_by_at_most_two_core_modules():
+    core = [path for path in _modules() if path.name != "nnx.py" and "t5x" not in path.parts]
+    importing = []
+    for path in core:
+        for node in ast.walk(_parsed(path)):
+            if isinstance(node, ast.Import) and any(a.name.startswith("flax.nnx") for a in node.names):
+                importing.append(path.name)
+            elif (
+                isinstance(node, ast.ImportFrom)
+                and node.module
+                and (
+                    node.module.startswith("flax.nnx")
+                    or (node.module == "flax" and any(a.name == "nnx" for a in node.names))
+                )
+            ):
+                importing.append(path.name)
+    assert len(set(importing)) <= 2, sorted(set(importing))

@@ -33,7 +33,7 @@ NON_ARRAY_HINT = (
     "For an abstract target, evaluate with equinox.filter_eval_shape instead: it makes\n"
     "the arrays abstract and keeps the rest, e.g.\n"
     "    abstract_model, abstract_opt = eqx.filter_eval_shape(fresh_start)\n"
-    "    opt, model = treeopt.serialization.restore(path, abstract_opt, params=abstract_model)\n"
+    "    opt, model = treeopt.checkpoint.restore(path, abstract_opt, params=abstract_model)\n"
     "Where treeopt takes params, eqx.filter(model, eqx.is_array) gives the module's arrays."
 )
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import flax.serialization
 import jax
+from flax import traverse_util
 
 from treeopt.errors import StateDictError, describe
 from treeopt.internal import BY_KIND, Messages, StateDictSource, Target, load
@@ -39,13 +40,7 @@ def drop_empty_dicts(tree: Any) -> Any:
     """
     if not isinstance(tree, dict):
         return tree
-    out = {}
-    for key, value in tree.items():
-        value = drop_empty_dicts(value)
-        if isinstance(value, dict) and not value:
-            continue
-        out[key] = value
-    return out
+    return traverse_util.unflatten_dict(traverse_util.flatten_dict(tree))
 
 
 def to_state_dict(tree: Any) -> Any:
