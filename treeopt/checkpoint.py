@@ -40,7 +40,7 @@ from treeopt._checkpoint.writer_lock import WriterLock
 from treeopt._compat.deprecations import moved_names
 from treeopt._state.step_rule import check_step, integer
 from treeopt.errors import CheckpointInUseError
-from treeopt.optimizer import Optimizer
+from treeopt.optimizer import Optimizer, state_parts, with_state_parts
 
 if TYPE_CHECKING:
     import orbax.checkpoint as ocp
@@ -78,7 +78,7 @@ def save(
         >>> int(opt2.step), params2["w"].tolist()
         (1, [0.9990000128746033, 0.9990000128746033])
     """
-    args, metadata = save_items(opt, params)
+    args, metadata = save_items(_saved_state(opt), params)
     siblings = Siblings(directory)
     with _writing(siblings):
         siblings.settle()
@@ -176,7 +176,7 @@ def restore(
         True
     """
     with directory_reader(directory, verify) as reader:
-        return reader.restore_into(target, params, shardings, param_shardings, strict)
+        return _restored(reader, target, params, shardings, param_shardings, strict)
 
 
 def restore_state_dict(directory: str | os.PathLike[str], *, verify: bool = True) -> dict[str, Any]:
@@ -352,7 +352,7 @@ class CheckpointManager:
             self.manager.reload()
         if not force and not self.manager.should_save(step):
             return False
-        args, metadata = save_items(opt, params, step=step)
+        args, metadata = save_items(_saved_state(opt), params, step=step)
         with self._cleaning_up(f"an earlier asynchronous save (step {step} was not saved)", always=True):
             self.manager.wait_until_finished()  # as orbax's save does first; then nothing is in flight
         with self._cleaning_up(f"saving step {step}"):
@@ -424,8 +424,7 @@ class CheckpointManager:
         verify: bool = True,
     ) -> Any:
         """Restores ``step`` (default: the latest); arguments and result as :func:`restore`."""
-        reader = self._reader(step, verify)
-        return reader.restore_into(target, params, shardings, param_shardings, strict)
+        return _restored(self._reader(step, verify), target, params, shardings, param_shardings, strict)
 
     def restore_state_dict(self, step: int | None = None, *, verify: bool = True) -> dict[str, Any]:
         """The optimizer state dict of ``step`` (default: the latest), with no target."""
@@ -460,3 +459,29 @@ class CheckpointManager:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _saved_state(opt: Any) -> Any:
+    """The state dict that a checkpoint of ``opt`` holds; anything but an initialized optimizer is refused."""
+    if not isinstance(opt, Optimizer) or not opt.initialized:
+        raise TypeError(
+            f"save needs an initialized treeopt.Optimizer (opt = Optimizer(tx).init(params)), got {opt!r}."
+        )
+    return opt.state_dict()
+
+
+def _restored(
+    reader: Any, target: Any, params: Any, shardings: Any, param_shardings: Any, strict: bool
+) -> Any:
+    """``target`` (and ``params``) with the values ``reader`` holds; see :func:`restore`."""
+    if not isinstance(target, Optimizer) or not target.initialized:
+        raise TypeError(
+            "restore needs a target optimizer with the state's structure: an initialized "
+            "one (opt.init(params)) or an abstract one (jax.eval_shape(opt.init, params)), "
+            f"got {target!r}."
+        )
+    restored = reader.restore_into(state_parts(target), params, shardings, param_shardings, strict)
+    if params is None:
+        return with_state_parts(target, restored)
+    parts, params = restored
+    return with_state_parts(target, parts), params

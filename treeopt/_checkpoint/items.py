@@ -24,10 +24,10 @@ from treeopt._state import state_dict as _state_dict
 from treeopt._state.checksum import checksum
 from treeopt._state.engine import EXACT, Messages, Target, load, read_verified
 from treeopt._state.plain import Path, flatten_paths
+from treeopt._state.state_dict import StateParts
 from treeopt._tree.paths import leaf_names
 from treeopt.errors import CheckpointError
 from treeopt.keys import key_data
-from treeopt.optimizer import Optimizer, state_parts, with_state_parts
 
 OPTIMIZER_ITEM = "optimizer"
 PARAMS_ITEM = "params"
@@ -59,19 +59,15 @@ def _checksum_list(tree: Any) -> list[int]:
     return [int(x) for x in checksum(flatten_paths(tree))]
 
 
-def save_items(opt: Optimizer, params: Any, step: int | None = None) -> tuple[Any, dict[str, Any]]:
-    """``(ocp.args.Composite, custom metadata)`` of a checkpoint of ``opt`` (and ``params``).
+def save_items(state_dict: Any, params: Any, step: int | None = None) -> tuple[Any, dict[str, Any]]:
+    """``(ocp.args.Composite, custom metadata)`` of a checkpoint of an optimizer's ``state_dict`` (and ``params``).
 
     Params with no array (``{}``) are saved as an empty item: orbax refuses to
     write one, so only the metadata records it (``"empty"``) with its checksum.
     ``step`` is the manager's step, recorded so that a renamed step directory
     can be told.
     """
-    if not isinstance(opt, Optimizer) or not opt.initialized:
-        raise TypeError(
-            f"save needs an initialized treeopt.Optimizer (opt = Optimizer(tx).init(params)), got {opt!r}."
-        )
-    items = {OPTIMIZER_ITEM: opt.state_dict()}
+    items = {OPTIMIZER_ITEM: state_dict}
     if params is not None:
         items[PARAMS_ITEM] = _flat_params(params)
     checksums = {name: _checksum_list(tree) for name, tree in items.items()}
@@ -266,34 +262,27 @@ class Reader:
         return read_verified(self.items()[OPTIMIZER_ITEM], {})
 
     def restore_into(
-        self, target: Optimizer, params: Any, shardings: Any, param_shardings: Any, strict: bool
+        self, target: StateParts, params: Any, shardings: Any, param_shardings: Any, strict: bool
     ) -> Any:
-        """The optimizer (and ``params``) restored into ``target``: see ``treeopt.checkpoint.restore``."""
-        if not isinstance(target, Optimizer) or not target.initialized:
-            raise TypeError(
-                "restore needs a target optimizer with the state's structure: an initialized "
-                "one (opt.init(params)) or an abstract one (jax.eval_shape(opt.init, params)), "
-                f"got {target!r}."
-            )
+        """The state's parts (and ``params``) restored into ``target``'s: see ``treeopt.checkpoint.restore``."""
         items = self.items()
         if params is not None and PARAMS_ITEM not in items:
             raise _no_params_error(self.where, items[OPTIMIZER_ITEM].custom)
         target = _with_shardings(target, shardings, "optimizer")
         parts, _ = load(
-            _state_dict.target(state_parts(target)),
+            _state_dict.target(target),
             items[OPTIMIZER_ITEM],
             EXACT,
             _messages(self.where, "optimizer"),
             strict=strict,
         )
-        opt = with_state_parts(target, parts)
         if params is None:
-            return opt
+            return parts
         params = _with_shardings(params, param_shardings, "params")
         params, _ = load(
             Target.named(params), items[PARAMS_ITEM], EXACT, _messages(self.where, "params"), strict=strict
         )
-        return opt, params
+        return parts, params
 
 
 def _saved_items(custom: Any) -> set[str]:
