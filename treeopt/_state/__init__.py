@@ -1,0 +1,1 @@
+"""The optimizer state's own forms: low-bit codecs."""
