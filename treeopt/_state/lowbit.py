@@ -228,7 +228,7 @@ def quantize(x: Any, bits: int) -> QuantizedLeaf:
     finite = jnp.all(jnp.isfinite(blocks), axis=-1)
     usable = finite & (absmax > 0)
     unsigned = jnp.all(blocks >= 0, axis=-1)
-    normalized = jnp.where(usable[..., None], blocks / jnp.where(usable, absmax, 1.0)[..., None], 0.0)
+    normalized = jnp.where(usable[..., None], _divide_by(blocks, jnp.where(usable, absmax, 1.0)), 0.0)
     codes = _nearest_codes(normalized, unsigned[..., None], bits)
     codes = codes.reshape((*rows.shape[:-1], codes.shape[-2] * block))[..., :last]
     if bits == 4:
@@ -282,6 +282,24 @@ def _to_blocks(rows: jax.Array, block: int) -> jax.Array:
     n_blocks = -(-last // block)
     pad = [(0, 0)] * (rows.ndim - 1) + [(0, n_blocks * block - last)]
     return jnp.pad(rows, pad).reshape((*rows.shape[:-1], n_blocks, block))
+
+
+def _divide_by(blocks: jax.Array, absmax: jax.Array) -> jax.Array:
+    """``blocks / absmax[..., None]`` without ever forming a denormal ``1 / absmax``.
+
+    XLA may divide by multiplying with the reciprocal, and ``1 / 3e38`` flushes
+    to 0 where denormals do (CPU): the absmax's power of two is taken off
+    exactly first, in two halves that each stay normal, leaving a divisor in [0.5, 1).
+    """
+    mantissa, exponent = jnp.frexp(absmax)
+    half = exponent // 2
+    scaled = blocks * _power_of_two(-half)[..., None] * _power_of_two(half - exponent)[..., None]
+    return scaled / mantissa[..., None]
+
+
+def _power_of_two(n: jax.Array) -> jax.Array:
+    """2.0**n as float32, exact, for integers n in [-126, 127]: the exponent bits set directly."""
+    return jax.lax.bitcast_convert_type((n.astype(jnp.int32) + 127) << 23, jnp.float32)
 
 
 def _nearest_codes(normalized: jax.Array, unsigned: jax.Array, bits: int) -> jax.Array:
