@@ -8,7 +8,9 @@
 - ``state_dict``: the core's state dicts and ``load_state_dict``/``warm_start``
   policies, over the optimizer's parts.
 - ``step_rule``: what a step count may be.
+- ``step_io``: the step corridor: what one step takes and gives back.
 - ``master``: master weights (wider copies of narrow params) and their step.
+- ``lowbit``: the block-wise 8- and 4-bit codec of state leaves (``state_bits=``).
 
 May import: ``treeopt._tree``, ``treeopt.errors``, ``treeopt.keys``,
 ``treeopt.typing``. It is handed the optimizer's parts (layout, state, step)
