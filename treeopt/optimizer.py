@@ -14,6 +14,7 @@ from treeopt import hyperparams as _hyperparams
 from treeopt._compat.deprecations import moved_names
 from treeopt._sharding.optimizer_specs import optimizer_state_specs
 from treeopt._state import state_dict as _state_dict
+from treeopt._state.lowbit_state import checked_state_bits, quantized_state
 from treeopt._state.master import checked_master_dtype, masters_of
 from treeopt._state.state_dict import StateParts
 from treeopt._tree.layout import ParamLayout, Wrt, is_lookahead
@@ -35,7 +36,7 @@ if TYPE_CHECKING:  # imported here, it would shadow the moved name below
 
 __getattr__ = moved_names(__name__)
 
-_FIELDS = ("tx", "wrt", "master_dtype", "_layout", "_lookahead", "step", "opt_state", "master")
+_FIELDS = ("tx", "wrt", "master_dtype", "state_bits", "_layout", "_lookahead", "step", "opt_state", "master")
 _CHILDREN = ("step", "opt_state", "master")
 
 
@@ -86,6 +87,14 @@ class Optimizer:
             the copies and returns each param as its copy cast back to the
             param's dtype. ``None`` (default): no copies. See
             ``docs/mixed-precision.md``.
+        state_bits: hold the optimizer's statistics in 8 or 4 bits: block-wise
+            codes with a float32 scale per block of at most 256 elements,
+            through a non-linear map (second moments through one without zero).
+            ``None`` (default): the state as optax makes it. ``8`` or ``4`` for
+            every parameter, or a mapping ``{glob: 8 | 4 | None}`` read in
+            order, the first matching glob deciding. Only the params-shaped
+            floating statistics of at least 4,096 elements are quantized, of
+            any optax transformation; see ``docs/low-bit-state.md``.
 
     Example:
         >>> import jax, jax.numpy as jnp, optax, treeopt
@@ -154,6 +163,11 @@ class Optimizer:
     """
     master_dtype: Any
     """The dtype of the master copies, as given to the constructor (static); ``None``: none."""
+    state_bits: tuple[tuple[str, int | None], ...] | None
+    """The low-bit rules ``((glob, bits), ...)`` read from the constructor's ``state_bits`` (static); ``None``: none.
+
+    Example: ``Optimizer(tx, state_bits=8).state_bits`` is ``(("*", 8),)``.
+    """
     master: dict[str, jax.Array] | None
     """The master copies ``{name: array}`` of the params narrower than ``master_dtype`` (leaves).
 
@@ -164,11 +178,18 @@ class Optimizer:
     ``opt.master["dense/kernel"].dtype`` is float32.
     """
 
-    def __init__(self, tx: optax.GradientTransformation, wrt: Wrt = None, master_dtype: Any = None):
+    def __init__(
+        self,
+        tx: optax.GradientTransformation,
+        wrt: Wrt = None,
+        master_dtype: Any = None,
+        state_bits: int | Mapping[str, int | None] | None = None,
+    ):
         set_ = object.__setattr__
         set_(self, "tx", _as_transformation(tx))
         set_(self, "wrt", tuple(wrt) if isinstance(wrt, list) else wrt)
         set_(self, "master_dtype", checked_master_dtype(master_dtype))
+        set_(self, "state_bits", checked_state_bits(state_bits))
         set_(self, "_layout", None)
         set_(self, "_lookahead", False)
         set_(self, "step", None)
@@ -182,7 +203,7 @@ class Optimizer:
         return tuple(zip((GetAttrKey(k) for k in _CHILDREN), children, strict=False)), aux
 
     def _tree_flatten(self) -> tuple[Any, Any]:
-        aux = (self.tx, self.wrt, self._layout, self._lookahead, self.master_dtype)
+        aux = (self.tx, self.wrt, self._layout, self._lookahead, self.master_dtype, self.state_bits)
         if self._layout is None:
             return (), aux
         return (self.step, self.opt_state, self.master), aux
@@ -191,10 +212,11 @@ class Optimizer:
     def _tree_unflatten(cls, aux: Any, children: Any) -> Optimizer:
         self = object.__new__(cls)
         set_ = object.__setattr__
-        tx, wrt, layout, lookahead, master_dtype = aux
+        tx, wrt, layout, lookahead, master_dtype, state_bits = aux
         set_(self, "tx", tx)
         set_(self, "wrt", wrt)
         set_(self, "master_dtype", master_dtype)
+        set_(self, "state_bits", state_bits)
         set_(self, "_layout", layout)
         set_(self, "_lookahead", lookahead)
         step, opt_state, master = children if layout is not None else (None, None, None)
@@ -256,7 +278,8 @@ class Optimizer:
             master = masters_of(flat, self.master_dtype)
             flat = {**flat, **master}  # tx.init sees the masters
         opt_state = stable_dtypes(self.tx, jax.tree.map(strong, self.tx.init(flat)), flat, lookahead)
-        aux = (self.tx, self.wrt, layout, lookahead, self.master_dtype)
+        opt_state = quantized_state(opt_state, layout, self.state_bits)
+        aux = (self.tx, self.wrt, layout, lookahead, self.master_dtype, self.state_bits)
         return Optimizer._tree_unflatten(aux, (jnp.zeros((), jnp.int32), opt_state, master))
 
     # -- update ------------------------------------------------------------------

@@ -10,6 +10,7 @@ so that the jitted step traces once.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Mapping
 from typing import Any
@@ -19,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from treeopt._state.lowbit_state import decoded, encoded_like
 from treeopt._state.master import master_step
 from treeopt._state.step_io import FlatStep, StepInputs
 from treeopt._update.trace_guard import is_tracer, strong
@@ -82,13 +84,20 @@ def _strong_tree(tree: Any) -> Any:
 
 
 def _traced(inputs: StepInputs, extra_args: Mapping[str, Any] | None = None) -> FlatStep:
-    """The step itself; :func:`flat_step` decides whether it runs traced or compiled."""
+    """The step itself; :func:`flat_step` decides whether it runs traced or compiled.
+
+    Low-bit state leaves are read as floats for ``tx.update`` and encoded again after it.
+    """
     extra = inputs.extra_args() if extra_args is None else extra_args
+    held = inputs.opt_state
+    inputs = dataclasses.replace(inputs, opt_state=decoded(held))
     if inputs.master:
-        return master_step(inputs, extra)
-    updates, new_state = inputs.tx.update(inputs.grads, inputs.opt_state, inputs.params, **extra)
-    out = optax.apply_updates(inputs.params, updates) if inputs.apply_updates else updates
-    return FlatStep(jnp.asarray(inputs.step) + 1, new_state, out)
+        out = master_step(inputs, extra)
+    else:
+        updates, new_state = inputs.tx.update(inputs.grads, inputs.opt_state, inputs.params, **extra)
+        output = optax.apply_updates(inputs.params, updates) if inputs.apply_updates else updates
+        out = FlatStep(jnp.asarray(inputs.step) + 1, new_state, output)
+    return out._replace(opt_state=encoded_like(held, out.opt_state))
 
 
 # The eager path: one compiled program per (tx, avals, static extras) instead of many small ops.

@@ -37,10 +37,10 @@ from typing import Any, NamedTuple
 import jax
 import optax
 from jax.sharding import PartitionSpec
-from jax.tree_util import DictKey, SequenceKey
+from jax.tree_util import SequenceKey
 
 from treeopt._tree.layout import ParamLayout
-from treeopt._tree.paths import named_leaves
+from treeopt._tree.paths import named_leaves, param_owners
 from treeopt.errors import TreeMismatchError
 
 Shape = tuple[int, ...]
@@ -240,29 +240,6 @@ def check_axes(spec: PartitionSpec, mesh: Any, where: str) -> None:
 # -- the state -------------------------------------------------------------------
 
 
-def _owners(paths: Sequence[tuple[Any, ...]], names: set[str]) -> list[int | None]:
-    """For each key path, the position of the ``DictKey`` naming its param, or None.
-
-    A dict counts as params-shaped when all its keys are trainable names (a
-    masked dict holds a subset: its ``MaskedNode`` entries have no leaves); the
-    innermost such key on the path wins.
-    """
-    keys_of: dict[tuple[Any, ...], set[Any]] = defaultdict(set)
-    for path in paths:
-        for k, key in enumerate(path):
-            if isinstance(key, DictKey):
-                keys_of[path[:k]].add(key.key)
-    params_dicts = {prefix for prefix, keys in keys_of.items() if keys <= names}
-    out: list[int | None] = []
-    for path in paths:
-        owner = None
-        for k, key in enumerate(path):
-            if isinstance(key, DictKey) and path[:k] in params_dicts:
-                owner = k
-        out.append(owner)
-    return out
-
-
 def per_dimension_axes(
     leaves: Sequence[tuple[tuple[Any, ...], Shape]], param_shape: Shape
 ) -> dict[tuple[Any, ...], int] | None:
@@ -310,7 +287,7 @@ def state_leaf_specs(
     flat, treedef = jax.tree_util.tree_flatten_with_path(opt_state)
     paths = [tuple(path) for path, _ in flat]
     leaf_shapes = [tuple(getattr(leaf, "shape", ())) for _, leaf in flat]
-    owners = _owners(paths, set(shapes))
+    owners = param_owners(paths, set(shapes))
 
     groups: dict[tuple[Any, ...], list[tuple[tuple[Any, ...], Shape]]] = defaultdict(list)
     for path, owner, shape in zip(paths, owners, leaf_shapes, strict=True):

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
-from jax.tree_util import KeyPath
+from jax.tree_util import DictKey, KeyPath
 
 from treeopt._tree.nnx_graph import variable_type as nnx_variable_type
 
@@ -168,3 +168,31 @@ def check_unique(names: Sequence[str]) -> None:
             f"{repeated}: treeopt keys its state by name, so names must be unique. "
             "Rename the clashing keys/attributes of the params tree."
         )
+
+
+def param_owners(paths: Sequence[tuple[Any, ...]], names: set[str]) -> list[int | None]:
+    """For each key path of a state over the flat, named params, the position of the ``DictKey`` naming its param, or None.
+
+    A dict counts as params-shaped when all its keys are trainable names (a
+    masked dict holds a subset: its ``MaskedNode`` entries have no leaves); the
+    innermost such key on the path wins.
+
+    Example:
+        >>> from jax.tree_util import DictKey, SequenceKey
+        >>> param_owners([(SequenceKey(0), DictKey("w")), (SequenceKey(1),)], {"w"})
+        [1, None]
+    """
+    keys_of: dict[tuple[Any, ...], set[Any]] = defaultdict(set)
+    for path in paths:
+        for k, key in enumerate(path):
+            if isinstance(key, DictKey):
+                keys_of[path[:k]].add(key.key)
+    params_dicts = {prefix for prefix, keys in keys_of.items() if keys <= names}
+    out: list[int | None] = []
+    for path in paths:
+        owner = None
+        for k, key in enumerate(path):
+            if isinstance(key, DictKey) and path[:k] in params_dicts:
+                owner = k
+        out.append(owner)
+    return out
