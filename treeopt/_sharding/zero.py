@@ -235,13 +235,18 @@ class ZeroLeafSpec(NamedTuple):
 
 
 def zero_leaf_spec(
-    shape: Shape, spec: PartitionSpec, axes: Sequence[str], axis_sizes: Mapping[str, int]
+    shape: Shape,
+    spec: PartitionSpec,
+    axes: Sequence[str],
+    axis_sizes: Mapping[str, int],
+    dims: Sequence[int] | None = None,
 ) -> ZeroLeafSpec:
     """``(spec, dim, reason)``: ``spec`` with ``axes`` added on one unsharded dimension they divide.
 
     The axes already in ``spec`` are not added again; the others go together on
     the largest unsharded dimension that the product of their sizes divides (the
-    first of equal ones). Otherwise ``spec`` is returned unchanged, with why.
+    first of equal ones), among ``dims`` when given. Otherwise ``spec`` is
+    returned unchanged, with why.
 
     Example:
         >>> from jax.sharding import PartitionSpec as P
@@ -262,7 +267,7 @@ def zero_leaf_spec(
     if not shape or math.prod(shape) == 0:
         return ZeroLeafSpec(spec, None, TOO_SMALL)
     padded = (*spec, *([None] * (len(shape) - len(spec))))
-    free = [d for d in range(len(shape)) if padded[d] is None]
+    free = [d for d in range(len(shape)) if padded[d] is None and (dims is None or d in dims)]
     if not free:
         return ZeroLeafSpec(spec, None, NO_FREE_DIMENSION)
     n = math.prod(axis_sizes[a] for a in add)
@@ -297,12 +302,25 @@ def zero_plan(
     treedefs, out = {}, []
     for part, tree in parts.items():
         treedefs[part], leaves = state_leaf_specs(tree, layout, param_specs)
+        codes_dims: dict[tuple[Any, ...], int | None] = {}  # a low-bit leaf's codes: the dimension split
         for path, leaf, param, spec in leaves:
             shape = tuple(getattr(leaf, "shape", ()))
             dtype = getattr(leaf, "dtype", None)
             reason: str | None
+            role = _lowbit_role(path)
             if param is None:
                 zero_spec, dim, reason = spec, None, NOT_PARAM_OWNED
+            elif role == "scales":  # follows its codes, so that every device holds whole blocks
+                codes_dim = codes_dims.get(path[:-1])
+                zero_spec, dim, reason = zero_leaf_spec(
+                    shape, spec, axes, sizes, dims=() if codes_dim is None else (codes_dim,)
+                )
+            elif role == "codes":
+                scales = _sibling_scales(leaves, path)
+                zero_spec, dim, reason = zero_leaf_spec(
+                    shape, spec, axes, sizes, dims=_whole_block_dims(shape, scales, axes, sizes)
+                )
+                codes_dims[path[:-1]] = dim
             elif dtype is None or not jax.numpy.issubdtype(dtype, jax.numpy.inexact):
                 zero_spec, dim, reason = spec, None, NOT_FLOATING
             else:
@@ -310,3 +328,30 @@ def zero_plan(
             where = part + jax.tree_util.keystr(path)
             out.append(ZeroLeaf(where, param, shape, dtype, spec, zero_spec, dim, reason))
     return treedefs, ZeroReport(axes, sizes, tuple(out))
+
+
+def _lowbit_role(path: tuple[Any, ...]) -> str | None:
+    """``"codes"`` or ``"scales"`` for the two arrays of a low-bit state leaf, else ``None``."""
+    last = path[-1] if path else None
+    if isinstance(last, jax.tree_util.GetAttrKey) and last.name in ("codes", "scales"):
+        return last.name
+    return None
+
+
+def _sibling_scales(leaves: Sequence[Any], codes_path: tuple[Any, ...]) -> Shape:
+    scales_path = (*codes_path[:-1], jax.tree_util.GetAttrKey("scales"))
+    return next(tuple(np.shape(leaf.leaf)) for leaf in leaves if leaf.path == scales_path)
+
+
+def _whole_block_dims(codes: Shape, scales: Shape, axes: Sequence[str], sizes: Mapping[str, int]) -> list[int]:
+    """The dimensions of low-bit codes that a shard can take without cutting a block.
+
+    Blocks run along the last axis, so every other dimension will do; the last
+    one only when its blocks are of one length and their number divides by the
+    shards' (the scales are then split on it too).
+    """
+    n = math.prod(sizes[a] for a in axes)
+    dims = list(range(len(codes) - 1))
+    if codes and scales and codes[-1] % scales[-1] == 0 and scales[-1] % n == 0:
+        dims.append(len(codes) - 1)
+    return dims
