@@ -57,6 +57,9 @@ class LoadReport:
         cast: for ``warm_start`` only: ``(path, from, to)`` of the values cast up to
             the target's wider floating dtype, e.g. ``("opt_state/0/mu/w",
             "bfloat16", "float32")``.
+        converted: for ``warm_start`` only: ``(path, from, to)`` of the values converted
+            between full precision and low-bit codes (``state_bits``), e.g.
+            ``("opt_state/0/mu/w", "float32[64,64]", "8-bit codes")``.
         misnested: ``(path, found, expected)`` for entries present under the same
             ``"/"``-joined path but nested differently, typically a parameter name
             such as ``"dense/kernel"`` split into nested dicts, e.g.
@@ -84,6 +87,7 @@ class LoadReport:
     renamed: Mapping[str, str] = dataclasses.field(default_factory=dict)
     misnested: tuple[tuple[str, str, str], ...] = ()
     cast: tuple[tuple[str, str, str], ...] = ()
+    converted: tuple[tuple[str, str, str], ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -115,6 +119,12 @@ class LoadReport:
         if self.cast:
             head += (
                 f" ({len(self.cast)} cast up: " + ", ".join(f"{p} {a}->{b}" for p, a, b in self.cast) + ")"
+            )
+        if self.converted:
+            head += (
+                f" ({len(self.converted)} converted: "
+                + ", ".join(f"{p} {a}->{b}" for p, a, b in self.converted)
+                + ")"
             )
         return head if self.ok else f"{head}; not loaded:\n{self.problems()}"
 

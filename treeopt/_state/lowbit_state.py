@@ -40,12 +40,20 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from treeopt._state.lowbit import is_quantized, quantize
+from treeopt._state.lowbit import QuantizedLeaf, block_size, is_quantized, quantize
+from treeopt._state.plain import Path, flatten_paths, path_str
 from treeopt._tree.layout import ParamLayout
 from treeopt._tree.masks import name_matcher
 from treeopt._tree.paths import param_owners
 
-__all__ = ["MIN_ELEMENTS", "checked_state_bits", "decoded", "encoded_like", "quantized_state"]
+__all__ = [
+    "MIN_ELEMENTS",
+    "checked_state_bits",
+    "converted_source",
+    "decoded",
+    "encoded_like",
+    "quantized_state",
+]
 
 MIN_ELEMENTS = 4096
 """Leaves with fewer elements keep full precision: their codes would save little and cost a scale a block."""
@@ -197,3 +205,64 @@ def encoded_like(template: Any, new_state: Any) -> Any:
         new_state,
         is_leaf=is_quantized,
     )
+
+
+def converted_source(
+    units: Mapping[Path, Any], source: Any
+) -> tuple[dict[Path, Any], tuple[tuple[str, str, str], ...]]:
+    """A warm start's source with values converted to the target's precision at the target's paths.
+
+    ``units`` are the target's state leaves by state-dict path, a low-bit leaf
+    as one unit (its ``codes`` and ``scales`` below it). Where the target holds
+    codes and the source a float array of the same shape at the same path, the
+    array is encoded; where the target holds a float array and the source
+    codes and scales, they are decoded to the target's shape and dtype.
+    Returns the source flattened (``{path: value}``) and ``(path, from, to)``
+    of each conversion.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> units = {("mu", "w"): quantize(jnp.zeros((64, 64)), 8)}
+        >>> flat, done = converted_source(units, {"mu": {"w": jnp.ones((64, 64))}})
+        >>> sorted(flat), done
+        ([('mu', 'w', 'codes'), ('mu', 'w', 'scales')], (('mu/w', 'float32[64, 64]', '8-bit codes'),))
+    """
+    flat = flatten_paths(source)
+    done = []
+    for path, unit in units.items():
+        codes, scales = (*path, "codes"), (*path, "scales")
+        if is_quantized(unit) and path in flat and codes not in flat:
+            value = flat.pop(path)
+            if tuple(np.shape(value)) != tuple(unit.shape):
+                flat[path] = value  # another shape: the engine reports it
+                continue
+            encoded = quantize(jnp.asarray(value, unit.dtype), unit.bits)
+            flat[codes], flat[scales] = encoded.codes, encoded.scales
+            done.append(
+                (
+                    path_str(path),
+                    f"{np.dtype(value.dtype).name}{list(np.shape(value))}",
+                    f"{unit.bits}-bit codes",
+                )
+            )
+        elif (
+            not is_quantized(unit)
+            and _floating(unit)
+            and codes in flat
+            and scales in flat
+            and path not in flat
+        ):
+            shape = tuple(unit.shape)
+            bits = 8 if tuple(np.shape(flat[codes])) == shape else 4
+            block = block_size(shape[-1] if shape else 1, bits)
+            leaf = QuantizedLeaf(
+                flat.pop(codes),
+                flat.pop(scales),
+                shape=shape,
+                dtype=np.dtype(unit.dtype).name,
+                bits=bits,
+                block=block,
+            )
+            flat[path] = leaf.dequantize()
+            done.append((path_str(path), f"{bits}-bit codes", f"{np.dtype(unit.dtype).name}{list(shape)}"))
+    return flat, tuple(done)

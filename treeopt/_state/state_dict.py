@@ -23,9 +23,14 @@ rebuilds itself from them (``treeopt.optimizer.with_state_parts``).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
+import jax
+from flax import traverse_util
+
+from treeopt._state.checksum import CHECKSUM_KEY
 from treeopt._state.engine import (
     EXACT,
     EXACT_OR_WIDER,
@@ -37,7 +42,9 @@ from treeopt._state.engine import (
     match,
     read_verified,
 )
-from treeopt._state.plain import Path, path_str, to_plain
+from treeopt._state.lowbit import is_quantized
+from treeopt._state.lowbit_state import converted_source
+from treeopt._state.plain import Path, flatten_paths, path_str, to_plain
 from treeopt._state.step_rule import EXPECTED, negative
 from treeopt.errors import LoadReport, StateDictError
 from treeopt.keys import key_data
@@ -129,5 +136,25 @@ def warm_start(
 
     _refuse_a_negative_step(source)
     roles = Roles(frozenset(names), wanted)
+    source, converted = _in_target_precision(parts, source)
     source_ = StateDictSource(source, "warm_start")
-    return load(target(parts), source_, EXACT_OR_WIDER, _LOAD, strict=None, roles=roles)
+    loaded, report = load(target(parts), source_, EXACT_OR_WIDER, _LOAD, strict=None, roles=roles)
+    return loaded, dataclasses.replace(report, converted=converted)
+
+
+def _in_target_precision(parts: StateParts, source: Any) -> tuple[Any, tuple[tuple[str, str, str], ...]]:
+    """``source`` with full-precision and low-bit values converted where the target holds the other.
+
+    A converted source is verified against its checksum first, then loses it:
+    its values are no longer the ones the checksum covers.
+    """
+    if not isinstance(source, Mapping):
+        return source, ()
+    leaves, treedef = jax.tree.flatten(parts, is_leaf=is_quantized)
+    indexed = flatten_paths(plain_state(jax.tree.unflatten(treedef, list(range(len(leaves))))))
+    flat, converted = converted_source({path: leaves[i] for path, i in indexed.items()}, source)
+    if not converted:
+        return source, ()
+    read_verified(StateDictSource(source, "warm_start"), {})
+    flat.pop((CHECKSUM_KEY,), None)
+    return traverse_util.unflatten_dict(flat), converted
