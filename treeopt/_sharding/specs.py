@@ -268,6 +268,15 @@ def per_dimension_axes(
     return axes if len(set(axes.values())) == len(param_shape) else None
 
 
+def lowbit_role(path: tuple[Any, ...]) -> str | None:
+    """``"codes"`` or ``"scales"`` for the two arrays of a low-bit state leaf, else ``None``."""
+    last = path[-1] if path else None
+    if isinstance(last, jax.tree_util.GetAttrKey) and last.name in ("codes", "scales"):
+        return last.name
+    return None
+
+
+
 class StateLeafSpec(NamedTuple):
     """One leaf of an optax state, the parameter it belongs to and its derived spec."""
 
@@ -307,6 +316,11 @@ def state_leaf_specs(
             axis = per_dim[path[owner + 1 :]]
             entry = param_spec[axis] if axis < len(param_spec) else None
             spec = spec_of_entries([entry])
+        elif lowbit_role(path) is not None and len(shape) == len(param_shape) and shape != param_shape:
+            # 4-bit codes (two to a byte) and scales of a low-bit leaf: the axes before the last
+            # are the param's; the last one holds blocks, not the param's last axis.
+            padded = (*param_spec, *([None] * (len(param_shape) - len(param_spec))))
+            spec = spec_of_entries([*padded[:-1], None])
         else:
             spec = derive_spec(param_shape, param_spec, shape)
         out.append(StateLeafSpec(path, leaf, name, spec))

@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec
 from treeopt._sharding.specs import (
     Shape,
     axis_names_of,
+    lowbit_role,
     spec_of_entries,
     state_leaf_specs,
 )
@@ -307,7 +308,7 @@ def zero_plan(
             shape = tuple(getattr(leaf, "shape", ()))
             dtype = getattr(leaf, "dtype", None)
             reason: str | None
-            role = _lowbit_role(path)
+            role = lowbit_role(path)
             if param is None:
                 zero_spec, dim, reason = spec, None, NOT_PARAM_OWNED
             elif role == "scales":  # follows its codes, so that every device holds whole blocks
@@ -328,14 +329,6 @@ def zero_plan(
             where = part + jax.tree_util.keystr(path)
             out.append(ZeroLeaf(where, param, shape, dtype, spec, zero_spec, dim, reason))
     return treedefs, ZeroReport(axes, sizes, tuple(out))
-
-
-def _lowbit_role(path: tuple[Any, ...]) -> str | None:
-    """``"codes"`` or ``"scales"`` for the two arrays of a low-bit state leaf, else ``None``."""
-    last = path[-1] if path else None
-    if isinstance(last, jax.tree_util.GetAttrKey) and last.name in ("codes", "scales"):
-        return last.name
-    return None
 
 
 def _sibling_scales(leaves: Sequence[Any], codes_path: tuple[Any, ...]) -> Shape:
