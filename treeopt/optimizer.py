@@ -14,8 +14,10 @@ from treeopt import hyperparams as _hyperparams
 from treeopt._compat.deprecations import moved_names
 from treeopt._sharding.optimizer_specs import optimizer_state_specs
 from treeopt._state import state_dict as _state_dict
+from treeopt._state.initial import as_transformation, init_inputs, transformation_name
 from treeopt._state.lowbit_state import checked_state_bits, quantized_state
-from treeopt._state.master import checked_master_dtype, masters_of
+from treeopt._state.master import checked_master_dtype, param_dtypes_of
+from treeopt._state.rounding import checked_param_rounding
 from treeopt._state.state_dict import StateParts
 from treeopt._tree.layout import ParamLayout, Wrt, is_lookahead
 from treeopt._update.donated import donated, refuse_donated
@@ -36,22 +38,9 @@ if TYPE_CHECKING:  # imported here, it would shadow the moved name below
 
 __getattr__ = moved_names(__name__)
 
-_FIELDS = ("tx", "wrt", "master_dtype", "state_bits", "_layout", "_lookahead", "step", "opt_state", "master")
-_CHILDREN = ("step", "opt_state", "master")
-
-
-def _as_transformation(tx: Any) -> optax.GradientTransformation:
-    if isinstance(tx, optax.MultiSteps):
-        return tx.gradient_transformation()
-    if isinstance(tx, optax.GradientTransformation):
-        return tx
-    hint = ""
-    if callable(tx):
-        hint = " It is callable: did you pass the factory instead of calling it, e.g. optax.adam(1e-3)?"
-    raise TypeError(
-        "Optimizer(tx) needs an optax.GradientTransformation such as optax.adam(1e-3), "
-        f"got {type(tx).__name__}.{hint}"
-    )
+_STATIC = ("tx", "wrt", "master_dtype", "state_bits", "param_rounding")
+_CHILDREN = ("step", "opt_state", "master", "rounding")
+_FIELDS = (*_STATIC, "_layout", "_lookahead", *_CHILDREN)
 
 
 class Optimizer:
@@ -95,6 +84,14 @@ class Optimizer:
             order, the first matching glob deciding. Only the params-shaped
             floating statistics of at least 4,096 elements are quantized, of
             any optax transformation; see ``docs/low-bit-state.md``.
+        param_rounding: train narrow params (bfloat16) without a float32
+            copy: ``tx`` runs on them cast to float32 and the new values are
+            written back into their dtype by Kahan-compensated summation
+            (``"kahan"``: a compensation buffer in the param's dtype, +2 bytes
+            per bfloat16 parameter) or unbiased stochastic rounding
+            (``"stochastic"``: one PRNG key). ``None`` (default): rounded to
+            nearest. Not together with ``master_dtype``. See
+            ``docs/mixed-precision.md``.
 
     Example:
         >>> import jax, jax.numpy as jnp, optax, treeopt
@@ -163,6 +160,14 @@ class Optimizer:
     """
     master_dtype: Any
     """The dtype of the master copies, as given to the constructor (static); ``None``: none."""
+    param_rounding: str | None
+    """``"kahan"``, ``"stochastic"`` or ``None``, as given to the constructor (static)."""
+    rounding: dict[str, Any] | None
+    """The state of ``param_rounding`` (leaves): ``{"compensation": {name: array}}`` or ``{"key": key}``.
+
+    ``{}`` without the option, ``None`` before ``init``. In ``state_dict()`` the
+    compensation buffers are under ``"compensation"``, the key under ``"rounding_key"``.
+    """
     state_bits: tuple[tuple[str, int | None], ...] | None
     """The low-bit rules ``((glob, bits), ...)`` read from the constructor's ``state_bits`` (static); ``None``: none.
 
@@ -184,17 +189,20 @@ class Optimizer:
         wrt: Wrt = None,
         master_dtype: Any = None,
         state_bits: int | Mapping[str, int | None] | None = None,
+        param_rounding: str | None = None,
     ):
         set_ = object.__setattr__
-        set_(self, "tx", _as_transformation(tx))
+        set_(self, "tx", as_transformation(tx))
         set_(self, "wrt", tuple(wrt) if isinstance(wrt, list) else wrt)
         set_(self, "master_dtype", checked_master_dtype(master_dtype))
         set_(self, "state_bits", checked_state_bits(state_bits))
+        set_(self, "param_rounding", checked_param_rounding(param_rounding, self.master_dtype))
         set_(self, "_layout", None)
         set_(self, "_lookahead", False)
         set_(self, "step", None)
         set_(self, "opt_state", None)
         set_(self, "master", None)
+        set_(self, "rounding", None)
 
     # -- pytree ----------------------------------------------------------------
 
@@ -203,26 +211,25 @@ class Optimizer:
         return tuple(zip((GetAttrKey(k) for k in _CHILDREN), children, strict=False)), aux
 
     def _tree_flatten(self) -> tuple[Any, Any]:
-        aux = (self.tx, self.wrt, self._layout, self._lookahead, self.master_dtype, self.state_bits)
+        aux = self._static(self._layout, self._lookahead)
         if self._layout is None:
             return (), aux
-        return (self.step, self.opt_state, self.master), aux
+        return (self.step, self.opt_state, self.master, self.rounding), aux
+
+    def _static(self, layout: ParamLayout | None, lookahead: bool) -> tuple[Any, ...]:
+        return (*(getattr(self, name) for name in _STATIC), layout, lookahead)
 
     @classmethod
     def _tree_unflatten(cls, aux: Any, children: Any) -> Optimizer:
         self = object.__new__(cls)
-        set_ = object.__setattr__
-        tx, wrt, layout, lookahead, master_dtype, state_bits = aux
-        set_(self, "tx", tx)
-        set_(self, "wrt", wrt)
-        set_(self, "master_dtype", master_dtype)
-        set_(self, "state_bits", state_bits)
-        set_(self, "_layout", layout)
-        set_(self, "_lookahead", lookahead)
-        step, opt_state, master = children if layout is not None else (None, None, None)
-        set_(self, "step", step)
-        set_(self, "opt_state", opt_state)
-        set_(self, "master", master)
+        *static, layout, lookahead = aux
+        for name, value in zip(_STATIC, static, strict=True):
+            object.__setattr__(self, name, value)
+        object.__setattr__(self, "_layout", layout)
+        object.__setattr__(self, "_lookahead", lookahead)
+        values = children if layout is not None else (None,) * len(_CHILDREN)
+        for name, value in zip(_CHILDREN, values, strict=True):
+            object.__setattr__(self, name, value)
         return self
 
     # -- init --------------------------------------------------------------------
@@ -263,24 +270,13 @@ class Optimizer:
         """
         lookahead = is_lookahead(params)
         layout = ParamLayout.of(params.fast if lookahead else params, self.wrt)
-        master: dict[str, Any] = {}
-        if lookahead:
-            if self.master_dtype is not None:
-                raise ValueError(
-                    "master_dtype is not supported with optax.LookaheadParams (optax.lookahead): "
-                    "build the optimizer without it."
-                )
-            flat: Any = optax.LookaheadParams(
-                layout.split_params(params.fast)[0], layout.split_params(params.slow)[0]
-            )
-        else:
-            flat = layout.split_params(params)[0]
-            master = masters_of(flat, self.master_dtype)
-            flat = {**flat, **master}  # tx.init sees the masters
+        flat, master, rounding = init_inputs(
+            layout, params, lookahead, self.master_dtype, self.param_rounding
+        )
         opt_state = stable_dtypes(self.tx, jax.tree.map(strong, self.tx.init(flat)), flat, lookahead)
         opt_state = quantized_state(opt_state, layout, self.state_bits)
-        aux = (self.tx, self.wrt, layout, lookahead, self.master_dtype, self.state_bits)
-        return Optimizer._tree_unflatten(aux, (jnp.zeros((), jnp.int32), opt_state, master))
+        children = (jnp.zeros((), jnp.int32), opt_state, master, rounding)
+        return Optimizer._tree_unflatten(self._static(layout, lookahead), children)
 
     # -- update ------------------------------------------------------------------
 
@@ -352,6 +348,8 @@ class Optimizer:
         object.__setattr__(self, "opt_state", result.opt_state)
         if result.master is not None:
             object.__setattr__(self, "master", result.master)
+        if result.rounding is not None:
+            object.__setattr__(self, "rounding", result.rounding)
         return inputs.rebuild(result.output)
 
     def _step_on(self, inputs: FlatInputs, apply_updates: bool, params_given: bool) -> FlatStep:
@@ -366,18 +364,14 @@ class Optimizer:
                 apply_updates=apply_updates,
                 extra_args=inputs.extra_args,
                 master=self.master,
-                param_dtypes=self._master_param_dtypes() if self.master and not params_given else None,
+                rounding=self.rounding,
+                param_dtypes=param_dtypes_of(self._require_layout(), self.master)
+                if self.master and not params_given
+                else None,
             )
         except RuntimeError:  # checked only after the failure: the step itself pays nothing
             refuse_donated(self)
             raise
-
-    def _master_param_dtypes(self) -> dict[str, Any]:
-        """``{name: dtype}`` of the params that have a master, as ``init`` saw them."""
-        layout, master = self._require_layout(), self.master or {}
-        return {
-            name: dtype for name, (_, dtype) in zip(layout.names, layout.avals, strict=True) if name in master
-        }
 
     # -- hyperparameters ----------------------------------------------------------
 
@@ -539,7 +533,7 @@ class Optimizer:
         specs = optimizer_state_specs(
             state_parts(self), layout, param_specs, shard_state_over=shard_state_over, mesh=mesh
         )
-        children = (jax.sharding.PartitionSpec(), specs["opt_state"], specs["master"])
+        children = (jax.sharding.PartitionSpec(), specs["opt_state"], specs["master"], specs["rounding"])
         return Optimizer._tree_unflatten(self._tree_flatten()[1], children)
 
     # -- misc ----------------------------------------------------------------------
@@ -561,10 +555,10 @@ class Optimizer:
 
     def __repr__(self) -> str:
         if self._layout is None:
-            return f"Optimizer(tx={_tx_name(self.tx)}, initialized=False)"
+            return f"Optimizer(tx={transformation_name(self.tx)}, initialized=False)"
         step = self.step
         step_text = "traced" if is_tracer(step) else "donated" if donated(step) else str(jax.device_get(step))
-        return f"Optimizer(tx={_tx_name(self.tx)}, step={step_text}, params={len(self._layout.names)})"
+        return f"Optimizer(tx={transformation_name(self.tx)}, step={step_text}, params={len(self._layout.names)})"
 
 
 def state_parts(opt: Optimizer) -> StateParts:
@@ -577,7 +571,7 @@ def state_parts(opt: Optimizer) -> StateParts:
         (0, {})
     """
     opt.layout  # noqa: B018 - reading it raises the error that says to call init first
-    return StateParts(opt.step, opt.opt_state, opt.master)
+    return StateParts(opt.step, opt.opt_state, opt.master, opt.rounding)
 
 
 def with_state_parts(opt: Optimizer, parts: StateParts) -> Optimizer:
@@ -590,12 +584,6 @@ def with_state_parts(opt: Optimizer, parts: StateParts) -> Optimizer:
         5
     """
     return jax.tree.unflatten(jax.tree.structure(opt), jax.tree.leaves(parts))
-
-
-def _tx_name(tx: optax.GradientTransformation) -> str:
-    init = getattr(tx, "init", None)
-    qualname = getattr(init, "__qualname__", "")
-    return qualname.split(".<locals>")[0] or type(tx).__name__
 
 
 jax.tree_util.register_pytree_with_keys(

@@ -22,6 +22,7 @@ import optax
 
 from treeopt._state.lowbit_state import decoded, encoded_like
 from treeopt._state.master import master_step
+from treeopt._state.rounding import rounding_step
 from treeopt._state.step_io import FlatStep, StepInputs
 from treeopt._update.trace_guard import is_tracer, strong
 from treeopt.typing import Params
@@ -93,6 +94,8 @@ def _traced(inputs: StepInputs, extra_args: Mapping[str, Any] | None = None) -> 
     inputs = dataclasses.replace(inputs, opt_state=decoded(held))
     if inputs.master:
         out = master_step(inputs, extra)
+    elif inputs.rounding:
+        out = rounding_step(inputs, extra)
     else:
         updates, new_state = inputs.tx.update(inputs.grads, inputs.opt_state, inputs.params, **extra)
         output = optax.apply_updates(inputs.params, updates) if inputs.apply_updates else updates
@@ -114,6 +117,7 @@ def flat_step(
     apply_updates: bool = True,
     extra_args: Mapping[str, Any] | None = None,
     master: Mapping[str, Any] | None = None,
+    rounding: Mapping[str, Any] | None = None,
     param_dtypes: Mapping[str, Any] | None = None,
 ) -> FlatStep:
     """One optimizer step over the flat, named state: a pure function.
@@ -145,6 +149,9 @@ def flat_step(
             and the step returns them updated; the output for those names is
             the new master cast to the param's dtype (``apply_updates``), or
             that minus the param given, in the master's dtype.
+        rounding: the state of ``param_rounding`` (``{"compensation": {name:
+            array}}`` or ``{"key": key}``): ``tx`` runs on the narrow params cast
+            to float32 and the new values are rounded back into their dtype.
         param_dtypes: ``{name: dtype}`` of the params that have a master, when
             ``flat_params`` is ``None``.
 
@@ -162,7 +169,8 @@ def flat_step(
     def inputs(extra: Mapping[str, Any] | None = None) -> StepInputs:
         return StepInputs.of(
             tx, step, opt_state, flat_grads, flat_params,
-            apply_updates=apply_updates, extra_args=extra, master=master, param_dtypes=param_dtypes,
+            apply_updates=apply_updates, extra_args=extra, master=master, rounding=rounding,
+            param_dtypes=param_dtypes,
         )  # fmt: skip
 
     if is_tracer(step):

@@ -20,8 +20,8 @@ from treeopt._tree.layout import ParamLayout
 
 
 def param_owned(parts: Any) -> dict[str, Any]:
-    """The parts of a state whose leaves belong to parameters, by name: the optax state and the masters."""
-    return {"opt_state": parts.opt_state, "master": parts.master}
+    """The parts of a state whose leaves may belong to parameters, by name: optax state, masters, rounding."""
+    return {"opt_state": parts.opt_state, "master": parts.master, "rounding": parts.rounding}
 
 
 def state_specs(

@@ -78,6 +78,21 @@ def masters_of(flat: Mapping[str, Any], master_dtype: np.dtype | None) -> dict[s
     }
 
 
+def param_dtypes_of(layout: Any, master: Mapping[str, Any]) -> dict[str, Any]:
+    """``{name: dtype}`` of the params that have a master, as ``init`` saw them (from the layout).
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from treeopt.layout import ParamLayout
+        >>> layout = ParamLayout.of({"w": jnp.ones(2, jnp.bfloat16), "b": jnp.ones(2)})
+        >>> param_dtypes_of(layout, {"w": jnp.ones(2)})
+        {'w': dtype(bfloat16)}
+    """
+    return {
+        name: dtype for name, (_, dtype) in zip(layout.names, layout.avals, strict=True) if name in master
+    }
+
+
 def master_step(inputs: StepInputs, extra: Mapping[str, Any]) -> FlatStep:
     """The step on the master copies: grads cast up, ``tx`` run and applied on the masters.
 

@@ -60,7 +60,7 @@ _LOAD = Messages(
 
 
 class StateParts(NamedTuple):
-    """The leaves of an optimizer's state: the step count, the optax state and the master copies.
+    """The leaves of an optimizer's state: the step count, the optax state, the master copies and the rounding state.
 
     Example:
         >>> import jax.numpy as jnp
@@ -72,6 +72,7 @@ class StateParts(NamedTuple):
     step: Any
     opt_state: Any
     master: Any
+    rounding: Any = None
 
 
 def plain_state(parts: StateParts) -> dict[str, Any]:
@@ -79,6 +80,11 @@ def plain_state(parts: StateParts) -> dict[str, Any]:
     plain = {"step": key_data(parts.step), "opt_state": to_plain(parts.opt_state)}
     if parts.master:
         plain["master"] = dict(parts.master)
+    rounding = parts.rounding or {}
+    if "compensation" in rounding:
+        plain["compensation"] = dict(rounding["compensation"])
+    if "key" in rounding:
+        plain["rounding_key"] = key_data(rounding["key"])
     return plain
 
 

@@ -58,6 +58,8 @@ class FlatStep(NamedTuple):
     """The new params (``apply_updates=True``) or the updates."""
     master: Any = None
     """The new master copies ``{name: array}`` when the step was given masters, else ``None``."""
+    rounding: Any = None
+    """The new rounding state (compensation or key) when the step rounds narrow params, else ``None``."""
 
 
 @jax.tree_util.register_dataclass
@@ -70,6 +72,7 @@ class StepInputs:
     grads: Any
     params: Any
     master: Any
+    rounding: Any
     dynamic_extra: list[Any]
     tx: optax.GradientTransformation = dataclasses.field(metadata={"static": True})
     apply_updates: bool = dataclasses.field(metadata={"static": True})
@@ -88,6 +91,7 @@ class StepInputs:
         apply_updates: bool = True,
         extra_args: Mapping[str, Any] | None = None,
         master: Mapping[str, Any] | None = None,
+        rounding: Mapping[str, Any] | None = None,
         param_dtypes: Mapping[str, Any] | None = None,
     ) -> StepInputs:
         """The inputs of one step; the extra arguments split into arrays (traced) and the rest (static).
@@ -100,7 +104,8 @@ class StepInputs:
         fixed = tuple(None if isinstance(x, _DYNAMIC) else x for x in leaves)
         dtypes = None if param_dtypes is None else tuple((k, jnp.dtype(d).name) for k, d in param_dtypes.items())
         return cls(
-            step, opt_state, grads, params, dict(master) if master else None, dynamic,
+            step, opt_state, grads, params, dict(master) if master else None,
+            dict(rounding) if rounding else None, dynamic,
             tx, apply_updates, (treedef, fixed), dtypes,
         )  # fmt: skip
 
