@@ -255,6 +255,12 @@ class CheckpointManager:
     naming it (and moved into ``.treeopt-incomplete`` when the directory is
     tidied). See ``docs/resume.md``.
 
+    Reading needs no write access: a manager on a directory this process
+    cannot write lists and restores, and is read-only (a ``PermissionError``
+    says so at :meth:`save`). Nothing is written, moved or deleted through a
+    symbolic link in the directory, and a ``directory`` that is a link is
+    resolved once. A closed manager refuses :meth:`save`.
+
     Example:
         >>> import tempfile, jax, jax.numpy as jnp, optax, treeopt
         >>> params = {"w": jnp.ones(2)}
@@ -289,7 +295,9 @@ class CheckpointManager:
             )
         else:
             _check_at_least_one("options.max_to_keep", options.max_to_keep, "keep every step")
-        self.directory = os.path.abspath(os.fspath(directory))
+        # A link is resolved once: the lock and the steps are at the real path, whichever way it is named.
+        self.directory = os.path.realpath(os.fspath(directory))
+        self._closed = False
         deleted_subdir = None
         if options.todelete_subdir is None and options.todelete_full_path is None and not options.read_only:
             options = dataclasses.replace(options, todelete_subdir=_DELETED_SUBDIR)
@@ -320,13 +328,14 @@ class CheckpointManager:
         The subdirectory itself is removed only when no save is under way:
         orbax creates it before moving a step in. Only the writer touches it.
         """
-        if self._deleted is None or not self._dir.writing or not os.path.isdir(self._deleted):
+        deleted = self._deleted
+        if deleted is None or not self._dir.writing or os.path.islink(deleted) or not os.path.isdir(deleted):
             return
-        for entry in os.listdir(self._deleted):
-            remove_path(os.path.join(self._deleted, entry))
+        for entry in os.listdir(deleted):
+            remove_path(os.path.join(deleted, entry))
         if remove:
             with contextlib.suppress(OSError):
-                os.rmdir(self._deleted)
+                os.rmdir(deleted)
 
     def save(self, step: int, opt: Optimizer, params: Any = None, *, force: bool = False) -> bool:
         """Saves ``opt`` (and ``params``) as ``step``; False when the save interval skips it.
@@ -347,6 +356,11 @@ class CheckpointManager:
             ...     manager.save(0, opt), manager.save(1, opt), manager.save(opt.step + 2, opt)
             (True, False, True)
         """
+        if self._closed:
+            raise RuntimeError(
+                f"This CheckpointManager of {self.directory} is closed (close() was called): it saves "
+                "nothing more. Open a new CheckpointManager to save again."
+            )
         step = check_step(step)
         if self._dir.become_writer(self.manager.all_steps()):  # the first save: the lock, then tidy
             self.manager.reload()
@@ -447,7 +461,13 @@ class CheckpointManager:
         self._empty_deleted(remove=True)
 
     def close(self) -> None:
-        """Waits for pending saves, releases orbax's resources and gives the directory up to other writers."""
+        """Waits for pending saves, releases orbax's resources and gives the directory up to other writers.
+
+        A closed manager refuses :meth:`save` (a ``RuntimeError`` naming ``close``); closing again does nothing.
+        """
+        if self._closed:
+            return
+        self._closed = True
         try:
             with self._cleaning_up("an asynchronous save", always=True, closing=True):
                 self.manager.close()
