@@ -19,6 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from treeopt._state.master import follow_params
+from treeopt._state.step_rule import next_step
 from treeopt._update.trace_guard import is_tracer, strong
 from treeopt.typing import FlatParams
 
@@ -155,7 +157,7 @@ def _flat_step_traced(
         )
     updates, new_state = tx.update(flat_grads, opt_state, flat_params, **extra_args)
     out = optax.apply_updates(flat_params, updates) if apply_updates else updates
-    return FlatStep(jnp.asarray(step) + 1, new_state, out)
+    return FlatStep(next_step(step), new_state, out)
 
 
 def _master_step(
@@ -178,6 +180,7 @@ def _master_step(
     grads = {k: g.astype(master[k].dtype) if k in master else g for k, g in flat_grads.items()}
     params: dict[str, Any] | None
     if flat_params is not None:
+        master = follow_params(master, flat_params)  # a param changed behind the optimizer wins
         params = {k: master[k] if k in master else p for k, p in flat_params.items()}
         dtypes = {k: flat_params[k].dtype for k in master}
     else:  # tx reads the masters, if every trained leaf has one
@@ -194,7 +197,7 @@ def _master_step(
         else:
             given = flat_params[k] if flat_params is not None else master[k].astype(dtypes[k])
             out[k] = new_master[k].astype(dtypes[k]).astype(master[k].dtype) - given.astype(master[k].dtype)
-    return FlatStep(jnp.asarray(step) + 1, new_state, out, new_master)
+    return FlatStep(next_step(step), new_state, out, new_master)
 
 
 def _flat_step_joined(
