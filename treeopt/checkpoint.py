@@ -39,6 +39,7 @@ from treeopt._checkpoint.siblings import remove as remove_path
 from treeopt._checkpoint.writer_lock import WriterLock
 from treeopt._compat.deprecations import moved_names
 from treeopt._state.step_rule import check_step, integer
+from treeopt.errors import CheckpointError as _CheckpointError  # not re-exported: a moved name warns
 from treeopt.errors import CheckpointInUseError
 from treeopt.optimizer import Optimizer
 
@@ -103,12 +104,12 @@ def save(
 def _writing(siblings: Siblings) -> Iterator[None]:
     """Holds the lock of a single-directory checkpoint while it is written (the primary process's)."""
     lock = WriterLock(siblings.lock, siblings.path) if is_primary(0) else None
-    error: CheckpointInUseError | None = None
+    error: Exception | None = None
     if lock is not None:
         os.makedirs(siblings.parent, exist_ok=True)  # as orbax would make it
         try:
             lock.acquire()
-        except CheckpointInUseError as e:
+        except (CheckpointInUseError, _CheckpointError, PermissionError) as e:  # in use, a link, read-only
             error = e
     if not agreed(error is None):
         raise error or CheckpointInUseError(

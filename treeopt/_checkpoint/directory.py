@@ -145,28 +145,33 @@ class ManagedDirectory:
     # -- writing -------------------------------------------------------------------------------
 
     def become_writer(self, steps: Iterable[int]) -> bool:
-        """Takes the lock (or raises ``CheckpointInUseError``) and tidies; True if incomplete steps moved."""
-        if self.writing:
-            if self.lock is not None:
-                self.lock.check()
-            return False
-        error: CheckpointInUseError | None = None
+        """Takes the lock (or raises ``CheckpointInUseError``) and tidies; True if incomplete steps moved.
+
+        Called before each save: once writing, it checks that the lock file is still the one held.
+        """
+        error: Exception | None = None
         if self.lock is not None:
             try:
-                self.lock.acquire()
-            except CheckpointInUseError as e:
+                if self.writing:
+                    self.lock.check()
+                else:
+                    self.lock.acquire()
+            except (CheckpointInUseError, CheckpointError) as e:
                 error = e
             except LockUnavailable as e:
                 self.read_only_reason = str(e)
-                raise LockUnavailable(
+                error = LockUnavailable(
                     e.errno, f"This CheckpointManager is read-only: {e.strerror}.", self.lock.path
-                ) from None
+                )
+        # Every process learns the primary's outcome before any goes on: a save they made alone would hang.
         if not agreed(error is None):
             raise error or CheckpointInUseError(
-                f"The primary process of this job could not take the lock of the checkpoint "
-                f"directory {self.root}: another writer holds it (the primary's error names it).",
+                f"The primary process of this job could not take (or keep) the lock of the checkpoint "
+                f"directory {self.root}: the primary's error says why.",
                 directory=self.root,
             )
+        if self.writing:
+            return False
         self.writing = True
         moved = False
         if self.lock is not None:
