@@ -305,7 +305,8 @@ def _child(profile_name: str) -> dict[str, Any]:
         else:
             specs = jax.tree.map(lambda _: P(), like)
             over = "data" if zero else None
-            opt = treeopt.Optimizer(tx, master_dtype=master_dtype)
+            # master_dtype no wider than every param is an error: float32 params get none
+            opt = treeopt.Optimizer(tx, master_dtype=master_dtype if param_dtype != master_dtype else None)
 
             def init(params32: Any) -> Any:
                 params = place(params32)

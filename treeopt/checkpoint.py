@@ -39,6 +39,7 @@ from treeopt._checkpoint.siblings import remove as remove_path
 from treeopt._checkpoint.writer_lock import WriterLock
 from treeopt._compat.deprecations import moved_names
 from treeopt._state.step_rule import check_step, integer
+from treeopt.errors import CheckpointError as _CheckpointError  # not re-exported: a moved name warns
 from treeopt.errors import CheckpointInUseError
 from treeopt.optimizer import Optimizer, state_parts, with_state_parts
 
@@ -103,12 +104,12 @@ def save(
 def _writing(siblings: Siblings) -> Iterator[None]:
     """Holds the lock of a single-directory checkpoint while it is written (the primary process's)."""
     lock = WriterLock(siblings.lock, siblings.path) if is_primary(0) else None
-    error: CheckpointInUseError | None = None
+    error: Exception | None = None
     if lock is not None:
         os.makedirs(siblings.parent, exist_ok=True)  # as orbax would make it
         try:
             lock.acquire()
-        except CheckpointInUseError as e:
+        except (CheckpointInUseError, _CheckpointError, PermissionError) as e:  # in use, a link, read-only
             error = e
     if not agreed(error is None):
         raise error or CheckpointInUseError(
@@ -255,6 +256,12 @@ class CheckpointManager:
     naming it (and moved into ``.treeopt-incomplete`` when the directory is
     tidied). See ``docs/resume.md``.
 
+    Reading needs no write access: a manager on a directory this process
+    cannot write lists and restores, and is read-only (a ``PermissionError``
+    says so at :meth:`save`). Nothing is written, moved or deleted through a
+    symbolic link in the directory, and a ``directory`` that is a link is
+    resolved once. A closed manager refuses :meth:`save`.
+
     Example:
         >>> import tempfile, jax, jax.numpy as jnp, optax, treeopt
         >>> params = {"w": jnp.ones(2)}
@@ -289,7 +296,9 @@ class CheckpointManager:
             )
         else:
             _check_at_least_one("options.max_to_keep", options.max_to_keep, "keep every step")
-        self.directory = os.path.abspath(os.fspath(directory))
+        # A link is resolved once: the lock and the steps are at the real path, whichever way it is named.
+        self.directory = os.path.realpath(os.fspath(directory))
+        self._closed = False
         deleted_subdir = None
         if options.todelete_subdir is None and options.todelete_full_path is None and not options.read_only:
             options = dataclasses.replace(options, todelete_subdir=_DELETED_SUBDIR)
@@ -320,13 +329,14 @@ class CheckpointManager:
         The subdirectory itself is removed only when no save is under way:
         orbax creates it before moving a step in. Only the writer touches it.
         """
-        if self._deleted is None or not self._dir.writing or not os.path.isdir(self._deleted):
+        deleted = self._deleted
+        if deleted is None or not self._dir.writing or os.path.islink(deleted) or not os.path.isdir(deleted):
             return
-        for entry in os.listdir(self._deleted):
-            remove_path(os.path.join(self._deleted, entry))
+        for entry in os.listdir(deleted):
+            remove_path(os.path.join(deleted, entry))
         if remove:
             with contextlib.suppress(OSError):
-                os.rmdir(self._deleted)
+                os.rmdir(deleted)
 
     def save(self, step: int, opt: Optimizer, params: Any = None, *, force: bool = False) -> bool:
         """Saves ``opt`` (and ``params``) as ``step``; False when the save interval skips it.
@@ -347,6 +357,11 @@ class CheckpointManager:
             ...     manager.save(0, opt), manager.save(1, opt), manager.save(opt.step + 2, opt)
             (True, False, True)
         """
+        if self._closed:
+            raise RuntimeError(
+                f"This CheckpointManager of {self.directory} is closed (close() was called): it saves "
+                "nothing more. Open a new CheckpointManager to save again."
+            )
         step = check_step(step)
         if self._dir.become_writer(self.manager.all_steps()):  # the first save: the lock, then tidy
             self.manager.reload()
@@ -446,7 +461,13 @@ class CheckpointManager:
         self._empty_deleted(remove=True)
 
     def close(self) -> None:
-        """Waits for pending saves, releases orbax's resources and gives the directory up to other writers."""
+        """Waits for pending saves, releases orbax's resources and gives the directory up to other writers.
+
+        A closed manager refuses :meth:`save` (a ``RuntimeError`` naming ``close``); closing again does nothing.
+        """
+        if self._closed:
+            return
+        self._closed = True
         try:
             with self._cleaning_up("an asynchronous save", always=True, closing=True):
                 self.manager.close()

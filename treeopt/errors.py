@@ -28,6 +28,8 @@ __all__ = [
     "describe",
 ]
 
+# A report of 300k unexpected keys would otherwise make a message of megabytes.
+MAX_LISTED = 200
 _MISNESTED_HINT = (
     "  These entries are in the state dict, but nested differently: the optimizer keys "
     "each parameter's state by its full name, which contains '/', and these names were "
@@ -95,20 +97,43 @@ class LoadReport:
         return not (self.missing or self.unexpected or self.mismatched or self.misnested)
 
     def problems(self) -> str:
-        """The missing, unexpected, mismatched and misnested paths, one per line ("" when ``ok``)."""
-        lines = []
-        if self.missing:
-            lines.append(f"missing ({len(self.missing)}):")
-            lines.extend(f"  {p}" for p in self.missing)
-        if self.unexpected:
-            lines.append(f"unexpected ({len(self.unexpected)}):")
-            lines.extend(f"  {p}" for p in self.unexpected)
-        if self.mismatched:
-            lines.append(f"shape/dtype mismatch ({len(self.mismatched)}):")
-            lines.extend(f"  {p}: expected {e}, got {g}" for p, e, g in self.mismatched)
+        """The missing, unexpected, mismatched and misnested paths, one per line ("" when ``ok``).
+
+        Each kind lists at most ``MAX_LISTED`` paths, then says how many more it
+        left out (every one is in the report's field of that name).
+
+        Example:
+            >>> last = LoadReport(unexpected=tuple(f"x{i}" for i in range(202))).problems().splitlines()[-1]
+            >>> last.endswith("... and 2 more (all of them in the report's .unexpected)")
+            True
+        """
+        lines: list[str] = []
+        sections = (
+            ("missing", "missing", self.missing, lambda p: p),
+            ("unexpected", "unexpected", self.unexpected, lambda p: p),
+            (
+                "shape/dtype mismatch",
+                "mismatched",
+                self.mismatched,
+                lambda m: f"{m[0]}: expected {m[1]}, got {m[2]}",
+            ),
+            (
+                "nested differently, names split or joined on '/'",
+                "misnested",
+                self.misnested,
+                lambda m: f"{m[0]}: found at {m[1]}, expected at {m[2]}",
+            ),
+        )
+        for title, field, entries, line in sections:
+            if not entries:
+                continue
+            lines.append(f"{title} ({len(entries)}):")
+            lines.extend(f"  {line(entry)}" for entry in entries[:MAX_LISTED])
+            if len(entries) > MAX_LISTED:
+                lines.append(
+                    f"  ... and {len(entries) - MAX_LISTED} more (all of them in the report's .{field})"
+                )
         if self.misnested:
-            lines.append(f"nested differently, names split or joined on '/' ({len(self.misnested)}):")
-            lines.extend(f"  {p}: found at {f}, expected at {e}" for p, f, e in self.misnested)
             lines.append(_MISNESTED_HINT)
         return "\n".join(lines)
 

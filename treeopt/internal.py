@@ -29,6 +29,8 @@ from treeopt._sharding.specs import (
 from treeopt._sharding.zero import ZeroLeafSpec, zero_leaf_spec
 from treeopt._state.checksum import with_checksum
 from treeopt._state.engine import BY_KIND, EXACT, Messages, Policy, StateDictSource, Target, load
+from treeopt._state.step_rule import EXPECTED as STEP_EXPECTED
+from treeopt._state.step_rule import negative as negative_step
 from treeopt._tree.paths import path_to_name
 from treeopt.hyperparams import checked_value
 
@@ -37,6 +39,7 @@ __all__ = [
     "EXACT",
     "Messages",
     "Policy",
+    "STEP_EXPECTED",
     "StateDictSource",
     "Target",
     "ZeroLeafSpec",
@@ -45,6 +48,7 @@ __all__ = [
     "flat_param_specs",
     "is_spec",
     "load",
+    "negative_step",
     "path_to_name",
     "per_dimension_axes",
     "spec_leaves_with_names",

@@ -148,6 +148,10 @@ class Optimizer:
     updates applied to the params is ``gradient_step`` in the optax state, read
     by name: ``optax.tree_utils.tree_get(opt.opt_state, "gradient_step")``.
 
+    It saturates at 2**31 - 1 (the int32 maximum, which a state dict's
+    ``"step"`` may not exceed either) instead of wrapping to a negative count,
+    as optax's own counts do (``optax.safe_increment``).
+
     Example: ``opt.update(grads, params)`` moves ``int(opt.step)`` from 0 to 1.
     """
     opt_state: optax.OptState | None

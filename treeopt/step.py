@@ -24,6 +24,7 @@ from treeopt._state.lowbit_state import decoded, encoded_like
 from treeopt._state.master import master_step
 from treeopt._state.rounding import rounding_step
 from treeopt._state.step_io import FlatStep, StepInputs
+from treeopt._state.step_rule import next_step
 from treeopt._update.trace_guard import is_tracer, strong
 from treeopt.typing import Params
 
@@ -99,7 +100,7 @@ def _traced(inputs: StepInputs, extra_args: Mapping[str, Any] | None = None) -> 
     else:
         updates, new_state = inputs.tx.update(inputs.grads, inputs.opt_state, inputs.params, **extra)
         output = optax.apply_updates(inputs.params, updates) if inputs.apply_updates else updates
-        out = FlatStep(jnp.asarray(inputs.step) + 1, new_state, output)
+        out = FlatStep(next_step(inputs.step), new_state, output)
     return out._replace(opt_state=encoded_like(held, out.opt_state))
 
 

@@ -19,6 +19,13 @@
   out of the steps with a warning naming it, and moved into
   ``.treeopt-incomplete`` (never deleted) when the directory is tidied, so it
   cannot stand in for the latest step or block saving its number again.
+- **Nothing outside.** Nothing is written, moved or deleted through a
+  symbolic link: the lock is opened without following one, and a link where
+  a housekeeping folder (``.treeopt-incomplete``, the deleted subdirectory)
+  belongs is removed as the link it is, or refused with a warning naming it.
+- **Reading needs no write access.** A process that cannot write the lock
+  file (a read-only file system or directory) lists and restores steps; it is
+  read-only, and says so only when asked to save.
 
 Example:
     >>> import os, tempfile
@@ -46,8 +53,8 @@ from typing import Any
 import numpy as np
 
 from treeopt._checkpoint.siblings import orbax_tmp_suffix, remove
-from treeopt._checkpoint.writer_lock import TIDYING, WriterLock
-from treeopt.errors import CheckpointInUseError
+from treeopt._checkpoint.writer_lock import TIDYING, LockUnavailable, WriterLock
+from treeopt.errors import CheckpointError, CheckpointInUseError
 
 LOCK_NAME = ".treeopt-lock"
 INCOMPLETE_SUBDIR = ".treeopt-incomplete"
@@ -106,6 +113,7 @@ class ManagedDirectory:
         self.deleted_subdir = deleted_subdir
         self.lock = WriterLock(os.path.join(root, LOCK_NAME), root) if primary else None
         self.writing = False
+        self.read_only_reason: str | None = None  # why this process cannot write, once it found out
         self._complete: set[int] = set()
         self._warned: set[str] = set()
 
@@ -137,21 +145,33 @@ class ManagedDirectory:
     # -- writing -------------------------------------------------------------------------------
 
     def become_writer(self, steps: Iterable[int]) -> bool:
-        """Takes the lock (or raises ``CheckpointInUseError``) and tidies; True if incomplete steps moved."""
-        if self.writing:
-            return False
-        error: CheckpointInUseError | None = None
+        """Takes the lock (or raises ``CheckpointInUseError``) and tidies; True if incomplete steps moved.
+
+        Called before each save: once writing, it checks that the lock file is still the one held.
+        """
+        error: Exception | None = None
         if self.lock is not None:
             try:
-                self.lock.acquire()
-            except CheckpointInUseError as e:
+                if self.writing:
+                    self.lock.check()
+                else:
+                    self.lock.acquire()
+            except (CheckpointInUseError, CheckpointError) as e:
                 error = e
+            except LockUnavailable as e:
+                self.read_only_reason = str(e)
+                error = LockUnavailable(
+                    e.errno, f"This CheckpointManager is read-only: {e.strerror}.", self.lock.path
+                )
+        # Every process learns the primary's outcome before any goes on: a save they made alone would hang.
         if not agreed(error is None):
             raise error or CheckpointInUseError(
-                f"The primary process of this job could not take the lock of the checkpoint "
-                f"directory {self.root}: another writer holds it (the primary's error names it).",
+                f"The primary process of this job could not take (or keep) the lock of the checkpoint "
+                f"directory {self.root}: the primary's error says why.",
                 directory=self.root,
             )
+        if self.writing:
+            return False
         self.writing = True
         moved = False
         if self.lock is not None:
@@ -167,6 +187,9 @@ class ManagedDirectory:
             self.lock.acquire(TIDYING)
         except CheckpointInUseError:
             return False  # a live writer: its debris is its own, and it tidies
+        except (LockUnavailable, CheckpointError) as e:  # reading needs no lock: it says why at a save
+            self.read_only_reason = str(e)
+            return False
         try:
             moved, trash = self._tidy(steps)
         finally:
@@ -181,7 +204,8 @@ class ManagedDirectory:
             path = os.path.join(self.root, self.name(step))
             if os.path.isdir(path) and not is_complete(path):
                 destination = os.path.join(self.root, INCOMPLETE_SUBDIR, self.name(step))
-                os.makedirs(os.path.dirname(destination), exist_ok=True)
+                if not self._incomplete_dir():
+                    continue
                 if os.path.lexists(destination):
                     destination += f"-{uuid.uuid4().hex[:8]}"
                 os.rename(path, destination)
@@ -200,6 +224,23 @@ class ManagedDirectory:
                 path = renamed
             trash.append(path)
         return moved, trash
+
+    def _incomplete_dir(self) -> bool:
+        """Makes ``.treeopt-incomplete`` if needed; False (with a warning) where it is not a real directory."""
+        path = os.path.join(self.root, INCOMPLETE_SUBDIR)
+        if not os.path.lexists(path):
+            os.mkdir(path)
+        if os.path.isdir(path) and not os.path.islink(path):
+            return True
+        if path not in self._warned:
+            self._warned.add(path)
+            warnings.warn(
+                f"{path} is not a directory (a symbolic link or a file): incomplete steps are not "
+                "moved into it, nothing is moved outside the checkpoint directory. Remove it.",
+                UserWarning,
+                stacklevel=5,
+            )
+        return False
 
     def _debris(self) -> list[str]:
         tmp = orbax_tmp_suffix()

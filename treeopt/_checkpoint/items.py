@@ -162,7 +162,10 @@ class _Item:
 
     def stored_checksum(self) -> Any:
         custom = self.custom
-        stored = custom.get("checksums", {}).get(self.name) if isinstance(custom, Mapping) else None
+        checksums = custom.get("checksums") if isinstance(custom, Mapping) else None
+        stored = (
+            checksums.get(self.name) if isinstance(checksums, Mapping) else None
+        )  # a damaged file: not one
         if stored is None and self.reader.verify_checksums:
             raise CheckpointError(
                 f"The checkpoint at {self.reader.where} has no checksum for its '{self.name}' item: its "

@@ -51,7 +51,8 @@ class Siblings:
     """The directories a checkpoint at ``path`` may occupy during a forced save."""
 
     def __init__(self, directory: str | os.PathLike[str]):
-        self.path = os.path.abspath(os.fspath(directory))
+        # A link is resolved once: the lock and the renames are at the real path, whichever way it is named.
+        self.path = os.path.realpath(os.fspath(directory))
         self.parent, self.name = os.path.split(self.path)
         self.new = self.path + _NEW_SUFFIX
         self.old = self.path + _OLD_SUFFIX
@@ -75,9 +76,9 @@ class Siblings:
     def settle(self) -> None:
         """Brings a save interrupted at any instant to ``path`` alone (plus leftovers to delete)."""
         if not os.path.lexists(self.path):
-            if os.path.isdir(self.new):  # killed after the commit point: finish the save
+            if _real_dir(self.new):  # killed after the commit point: finish the save
                 os.rename(self.new, self.path)
-            elif os.path.isdir(self.old):
+            elif _real_dir(self.old):
                 os.rename(self.old, self.path)
         self.discard(self.new)  # written but never committed
         self.discard(self.old)
@@ -96,6 +97,11 @@ class Siblings:
         for entry in os.listdir(self.parent):
             if entry.startswith(prefixes):
                 remove(os.path.join(self.parent, entry))
+
+
+def _real_dir(path: str) -> bool:
+    """A directory, not a link to one: only those are renamed into a checkpoint's place."""
+    return os.path.isdir(path) and not os.path.islink(path)
 
 
 def remove(path: str) -> None:

@@ -76,8 +76,8 @@ def transformation_name(tx: optax.GradientTransformation) -> str:
 
     Example:
         >>> import optax
-        >>> transformation_name(optax.sgd(0.1)), transformation_name(optax.adam(1e-3))
-        ('sgd', 'chain')
+        >>> transformation_name(optax.adam(1e-3)), transformation_name(optax.scale_by_adam())
+        ('chain', 'scale_by_adam')
     """
     init = getattr(tx, "init", None)
     qualname = getattr(init, "__qualname__", "")

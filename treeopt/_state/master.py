@@ -6,6 +6,10 @@ copy in ``master_dtype`` keyed by its name; ``tx`` runs on those copies
 (:func:`master_step`, which :func:`treeopt.step.flat_step` runs when given
 masters) and the params get them cast back to their own dtype. Leaves already
 as wide are stepped as they are.
+
+A param that no longer equals its master cast down (weights loaded or
+written after ``init``, a state dict loaded without masters) wins: the step
+first takes its master from it again (:func:`follow_params`).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import numpy as np
 import optax
 
 from treeopt._state.step_io import FlatStep, StepInputs
+from treeopt._state.step_rule import next_step
 
 
 def checked_master_dtype(master_dtype: Any) -> np.dtype | None:
@@ -62,8 +67,57 @@ def narrower(dtype: Any, master_dtype: np.dtype) -> bool:
     return bool(jnp.issubdtype(dtype, jnp.floating)) and jnp.finfo(dtype).bits < jnp.finfo(master_dtype).bits
 
 
+def follow_params(master: Mapping[str, Any], flat_params: Mapping[str, Any]) -> dict[str, Any]:
+    """Each master, or its param cast up where the param no longer equals the master cast down.
+
+    One fused compare-and-select per leaf, traced inside the step: a param that
+    the step itself returned equals its master cast down, so its master (with
+    the bits the param lacks) is kept; a param changed behind the optimizer wins.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> master = {"w": jnp.asarray([1.0001, 2.0001], jnp.float32)}
+        >>> params = {"w": jnp.asarray([1.0, 5.0], jnp.bfloat16)}
+        >>> follow_params(master, params)["w"].tolist()
+        [1.000100016593933, 5.0]
+    """
+    out = dict(master)
+    for name, m in master.items():
+        p = flat_params.get(name)
+        if p is not None:
+            out[name] = jnp.where(p == m.astype(p.dtype), m, p.astype(m.dtype))
+    return out
+
+
+def check_some_narrower(flat: Mapping[str, Any], master_dtype: np.dtype | None) -> None:
+    """A ``ValueError`` if ``master_dtype`` is set but no floating trainable param is narrower than it.
+
+    Such a ``master_dtype`` would silently do nothing (``jnp.bfloat16`` for a bfloat16 model).
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> check_some_narrower({"w": jnp.ones(2, jnp.bfloat16)}, jnp.dtype("float32"))
+        >>> try:
+        ...     check_some_narrower({"w": jnp.ones(2, jnp.bfloat16)}, jnp.dtype("bfloat16"))
+        ... except ValueError as e:
+        ...     print(str(e).split(":")[0])
+        master_dtype=bfloat16 is not wider than any trainable floating param
+    """
+    if master_dtype is None:
+        return
+    floating = sorted({str(leaf.dtype) for leaf in flat.values() if jnp.issubdtype(leaf.dtype, jnp.floating)})
+    if floating and not any(narrower(leaf.dtype, master_dtype) for leaf in flat.values()):
+        raise ValueError(
+            f"master_dtype={master_dtype.name} is not wider than any trainable floating param: their "
+            f"dtypes are {', '.join(floating)}, so no param would get a master copy. Pass a wider "
+            "master_dtype (jnp.float32 for bfloat16 or float16 params), or none."
+        )
+
+
 def masters_of(flat: Mapping[str, Any], master_dtype: np.dtype | None) -> dict[str, Any]:
     """``{name: leaf cast to master_dtype}`` for the leaves of ``flat`` narrower than it.
+
+    A ``ValueError`` (:func:`check_some_narrower`) if no floating leaf is narrower.
 
     Example:
         >>> import jax.numpy as jnp
@@ -73,6 +127,7 @@ def masters_of(flat: Mapping[str, Any], master_dtype: np.dtype | None) -> dict[s
     """
     if master_dtype is None:
         return {}
+    check_some_narrower(flat, master_dtype)
     return {
         name: leaf.astype(master_dtype) for name, leaf in flat.items() if narrower(leaf.dtype, master_dtype)
     }
@@ -101,6 +156,8 @@ def master_step(inputs: StepInputs, extra: Mapping[str, Any]) -> FlatStep:
     updates) that minus the param given, in the master's dtype.
     """
     master, flat_grads, flat_params = inputs.master, inputs.grads, inputs.params
+    if flat_params is not None:
+        master = follow_params(master, flat_params)  # a param changed behind the optimizer wins
     grads = {k: g.astype(master[k].dtype) if k in master else g for k, g in flat_grads.items()}
     params: dict[str, Any] | None
     if flat_params is not None:
@@ -120,4 +177,4 @@ def master_step(inputs: StepInputs, extra: Mapping[str, Any]) -> FlatStep:
         else:
             given = flat_params[k] if flat_params is not None else master[k].astype(dtypes[k])
             out[k] = new_master[k].astype(dtypes[k]).astype(master[k].dtype) - given.astype(master[k].dtype)
-    return FlatStep(jnp.asarray(inputs.step) + 1, new_state, out, new_master)
+    return FlatStep(next_step(inputs.step), new_state, out, new_master)

@@ -37,6 +37,7 @@ import numpy as np
 import optax
 
 from treeopt._state.step_io import FlatStep, StepInputs
+from treeopt._state.step_rule import next_step
 
 __all__ = ["CHOICES", "checked_param_rounding", "initial_rounding", "narrow", "rounding_step", "stochastic_round"]
 
@@ -133,7 +134,7 @@ def rounding_step(inputs: StepInputs, extra: Mapping[str, Any]) -> FlatStep:
             out[k] = optax.apply_updates(p, updates[k]) if inputs.apply_updates else updates[k]
         else:
             out[k] = new_params[k] if inputs.apply_updates else new_params[k].astype(_F32) - params32[k]
-    return FlatStep(jnp.asarray(inputs.step) + 1, new_state, out, rounding=new_rounding)
+    return FlatStep(next_step(inputs.step), new_state, out, rounding=new_rounding)
 
 
 def _rounded(

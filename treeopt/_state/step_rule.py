@@ -22,6 +22,7 @@ from typing import Any
 
 import jax
 import numpy as np
+import optax
 
 EXPECTED = "a non-negative integer"
 
@@ -64,3 +65,18 @@ def negative(step: Any) -> int | None:
     """The value of ``step`` if it is a known negative integer (a state dict's step that breaks the rule)."""
     value = integer(step)
     return value if value is not None and value < 0 else None
+
+
+def next_step(step: Any) -> jax.Array:
+    """``step + 1``, saturating at the largest value of its dtype (2**31 - 1 for int32) instead of wrapping.
+
+    As optax's own counts do (``optax.safe_increment``): a step count that
+    wrapped to a negative number would break the step rule (a checkpoint step
+    is non-negative), and a schedule would restart from its first value.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> int(next_step(jnp.int32(4))), int(next_step(jnp.int32(2**31 - 1)))
+        (5, 2147483647)
+    """
+    return optax.safe_increment(jax.numpy.asarray(step))
