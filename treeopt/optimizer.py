@@ -12,6 +12,7 @@ from jax.tree_util import GetAttrKey
 
 from treeopt import hyperparams as _hyperparams
 from treeopt._compat.deprecations import moved_names
+from treeopt._sharding.explicit import like_inputs
 from treeopt._sharding.optimizer_specs import optimizer_state_specs, state_parts
 from treeopt._state import state_dict as _state_dict
 from treeopt._state.master import checked_master_dtype, masters_of
@@ -329,7 +330,7 @@ class Optimizer:
         object.__setattr__(self, "opt_state", result.opt_state)
         if result.master is not None:
             object.__setattr__(self, "master", result.master)
-        return inputs.rebuild(result.output)
+        return inputs.rebuild(like_inputs(result.output, inputs.params if apply_updates else None))
 
     def _step_on(self, inputs: FlatInputs, apply_updates: bool, params_given: bool) -> FlatStep:
         """``flat_step`` on checked inputs; a donated optimizer is named only once JAX refused it."""
