@@ -297,6 +297,7 @@ class CheckpointManager:
         self._deleted = os.path.join(self.directory, deleted_subdir) if deleted_subdir else None
         self._options = options
         self.manager = self._orbax_manager()
+        self._saving = False  # a save of this manager may still be writing in the background
         names = options.step_name_format or orbax_checkpoint().step.standard_name_format(
             step_prefix=options.step_prefix, step_format_fixed_length=options.step_format_fixed_length
         )
@@ -357,6 +358,7 @@ class CheckpointManager:
             self.manager.wait_until_finished()  # as orbax's save does first; then nothing is in flight
         with self._cleaning_up(f"saving step {step}"):
             saved = bool(self.manager.save(step, args=args, force=force, custom_metadata=metadata))
+        self._saving = self._saving or saved
         self._empty_deleted()  # orbax waited for the previous save, and its deletions, to finish
         return saved
 
@@ -437,8 +439,19 @@ class CheckpointManager:
         return steps[-1] if steps else None
 
     def all_steps(self) -> Sequence[int]:
-        """The complete steps, oldest first; a warning names each step directory that is not complete."""
+        """The complete steps, oldest first; a warning names each step directory that is not complete.
+
+        This manager's own saves count: one still being written is waited for
+        first, so the step just saved is listed (not warned about as incomplete).
+        """
+        self._finish_own_saves()
         return self._dir.complete(self.manager.all_steps())
+
+    def _finish_own_saves(self) -> None:
+        """Waits for this manager's asynchronous saves, if one may still be in flight."""
+        if self._saving:
+            self._saving = False  # first: a failed wait notes latest_step, which comes back here
+            self.wait_until_finished()
 
     def wait_until_finished(self) -> None:
         """Blocks until pending (async) saves are written and the steps they drop deleted."""
