@@ -19,6 +19,7 @@ from typing import Any
 
 import jax
 
+from treeopt._checkpoint.held import held_optimizer
 from treeopt._checkpoint.siblings import Siblings
 from treeopt._state import state_dict as _state_dict
 from treeopt._state.checksum import checksum
@@ -67,6 +68,7 @@ def save_items(opt: Optimizer, params: Any, step: int | None = None) -> tuple[An
     ``step`` is the manager's step, recorded so that a renamed step directory
     can be told.
     """
+    opt, _ = held_optimizer(opt)
     if not isinstance(opt, Optimizer) or not opt.initialized:
         raise TypeError(
             f"save needs an initialized treeopt.Optimizer (opt = Optimizer(tx).init(params)), got {opt!r}."
@@ -269,6 +271,13 @@ class Reader:
         self, target: Optimizer, params: Any, shardings: Any, param_shardings: Any, strict: bool
     ) -> Any:
         """The optimizer (and ``params``) restored into ``target``: see ``treeopt.checkpoint.restore``."""
+        target, wrap = held_optimizer(target)
+        restored = self._restore_core(target, params, shardings, param_shardings, strict)
+        return wrap(restored) if params is None else (wrap(restored[0]), restored[1])
+
+    def _restore_core(
+        self, target: Optimizer, params: Any, shardings: Any, param_shardings: Any, strict: bool
+    ) -> Any:
         if not isinstance(target, Optimizer) or not target.initialized:
             raise TypeError(
                 "restore needs a target optimizer with the state's structure: an initialized "
