@@ -76,7 +76,9 @@ class Optimizer:
               ``nnx.Any``, ``nnx.All``, ``nnx.Not``, ``nnx.WithTag``), called as
               nnx calls it, with the nnx path and the ``Variable``.
             - any other callable: a predicate ``(name, leaf) -> bool`` on the
-              parameter name and the raw array. Wrap an nnx-style
+              parameter name and the array; it is asked about array leaves
+              only (an equinox model's functions, Python numbers and strings
+              are never trained, and never passed to it). Wrap an nnx-style
               ``(path, variable)`` function in ``nnx.Any(fn)`` to have it read
               as an nnx filter.
             - a list or tuple mixing these: a leaf any of them selects.
