@@ -18,26 +18,24 @@ from jax.sharding import AxisType
 
 
 def explicit_sharding(leaf: Any) -> Any:
-    """The sharding in ``leaf``'s type when its mesh has an explicit axis, else ``None``.
+    """The sharding of ``leaf`` (in its type, when traced) when its mesh has an explicit axis, else ``None``.
 
     Example:
         >>> import jax.numpy as jnp
         >>> explicit_sharding(jnp.ones(2)) is None   # one device, no explicit axis
         True
     """
-    try:
-        aval = jax.typeof(leaf)
-    except TypeError:
-        return None
-    sharding = getattr(aval, "sharding", None)
+    if isinstance(leaf, jax.core.Tracer):
+        sharding = getattr(jax.typeof(leaf), "sharding", None)
+    else:  # a concrete array's own sharding: no aval built for every leaf of every eager update
+        sharding = getattr(leaf, "sharding", None)
     axis_types = getattr(getattr(sharding, "mesh", None), "axis_types", ())
     if not any(t == AxisType.Explicit for t in axis_types):
         return None
     return sharding
 
 
-def _like(new: Any, old: Any) -> Any:
-    sharding = explicit_sharding(old)
+def _like(new: Any, sharding: Any) -> Any:
     if sharding is None or explicit_sharding(new) == sharding:
         return new
     return jax.sharding.reshard(new, sharding)
@@ -48,7 +46,7 @@ def like_inputs(new: Any, old: Any) -> Any:
 
     ``new`` and ``old`` have the same structure (``{name: param}``, or a
     ``LookaheadParams`` of them); leaves off an explicit mesh are returned as
-    they are.
+    they are, and ``new`` itself when no leaf of ``old`` is on one.
 
     Example:
         >>> import jax.numpy as jnp
@@ -57,4 +55,10 @@ def like_inputs(new: Any, old: Any) -> Any:
     """
     if old is None:
         return new
-    return jax.tree.map(_like, new, old)
+    targets = [explicit_sharding(leaf) for leaf in jax.tree.leaves(old)]
+    if not any(target is not None for target in targets):
+        return new
+    leaves, treedef = jax.tree.flatten(new)
+    return jax.tree.unflatten(
+        treedef, [_like(leaf, target) for leaf, target in zip(leaves, targets, strict=True)]
+    )
