@@ -63,7 +63,8 @@ def save(
     killed at any instant leaves a checkpoint that :func:`restore` finds (the
     old one, or the new one once it is complete), and the next ``save`` removes
     what is left over. For numbered steps, keeping the last few, use
-    :class:`CheckpointManager`.
+    :class:`CheckpointManager`. ``opt`` may be a ``treeopt.nnx.Optimizer`` or
+    ``ModelAndOptimizer``: the optimizer it holds is saved.
 
     Example:
         >>> import tempfile, jax, jax.numpy as jnp, optax, treeopt
@@ -144,7 +145,8 @@ def restore(
             (``opt.init(params)``) or abstract (``jax.eval_shape(opt.init, params)``).
             Each leaf is restored onto the sharding of the target's leaf (a
             ``jax.Array``'s, or a ``ShapeDtypeStruct``'s ``sharding``), else onto
-            the first local device.
+            the first local device. A ``treeopt.nnx`` drop-in (built, or from
+            ``nnx.eval_shape``) gives a copy of it holding the restored optimizer.
         params: also restore the params saved with the optimizer, into this
             tree (concrete or abstract); they are matched by name.
         shardings: a ``jax.sharding.Sharding`` for every optimizer leaf, or a tree
