@@ -9,7 +9,7 @@ The constructor, ``update(model, grads, **kwargs)`` (the model updated in
 place, the updates returned), ``step``, ``opt_state``, ``nnx.jit``,
 ``nnx.split`` / ``nnx.merge``, ``nnx.state`` and ``nnx.cached_partial`` work
 as with nnx. The optimizer is an nnx ``Pytree`` holding one
-:class:`treeopt.Optimizer` in an ``nnx.OptState`` variable, ``treeopt``; it
+:class:`treeopt.Optimizer` as ``treeopt``, an ``nnx.OptState`` per array; it
 has no optimizer logic of its own, so treeopt's features come with it:
 ``opt.learning_rate = x`` with no recompilation, ``state_dict()`` keyed by
 parameter name, ``partition_specs`` (ZeRO-1 with ``shard_state_over=``), and
@@ -56,8 +56,9 @@ _apply_updates = jax.jit(optax.apply_updates)
 class Optimizer(nnx.Pytree, Generic[M]):
     """``nnx.Optimizer(model, tx, wrt=...)`` on a :class:`treeopt.Optimizer`: same constructor, same ``update``.
 
-    The state is ``treeopt``, an ``nnx.OptState`` variable whose value is the
-    :class:`treeopt.Optimizer` trained on ``nnx.state(model, wrt)``: read it
+    The state is ``treeopt``, which holds the :class:`treeopt.Optimizer`
+    trained on ``nnx.state(model, wrt)`` as ``nnx.Optimizer`` holds its state,
+    an ``nnx.OptState`` per array (:class:`HeldOptimizer`): read it
     with ``optimizer.treeopt.get_value()`` (``.value`` on flax 0.12.0) and replace it (a restored
     checkpoint, a sharded copy) with ``optimizer.treeopt.set_value(...)``.
 
