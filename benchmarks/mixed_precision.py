@@ -435,9 +435,10 @@ def measure(profile_name: str, timeout_s: float = 3600) -> dict[str, Any]:
 
 def run(profile: Profile, log: Callable[[str], None] = print) -> list[Row]:
     config = CONFIGS[profile.name]
+    # Two models: the step is timed on one, the losses come from fine-tuning the other.
     label = (
-        f"adamw {config.finetune_lr:g}, transformer {config.timed.label()}, "
-        f"fine-tuned {config.finetune_steps} steps"
+        f"adamw {config.finetune_lr:g}, timed on transformer {config.timed.label()}; "
+        f"losses of transformer {config.trained.label()}, fine-tuned {config.finetune_steps} steps"
     )
     log(f"[{CASE}] {label}: {len(VARIANTS)} variants on {DEVICES} devices, own process")
     measured = measure(profile.name)

@@ -25,6 +25,7 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from treeopt._checkpoint.directory import ManagedDirectory, agreed, is_primary, process_count
+from treeopt._checkpoint.held import held_optimizer
 from treeopt._checkpoint.items import (
     OPTIMIZER_ITEM,
     PARAMS_ITEM,
@@ -64,7 +65,8 @@ def save(
     killed at any instant leaves a checkpoint that :func:`restore` finds (the
     old one, or the new one once it is complete), and the next ``save`` removes
     what is left over. For numbered steps, keeping the last few, use
-    :class:`CheckpointManager`.
+    :class:`CheckpointManager`. ``opt`` may be a ``treeopt.nnx.Optimizer`` or
+    ``ModelAndOptimizer``: the optimizer it holds is saved.
 
     Example:
         >>> import tempfile, jax, jax.numpy as jnp, optax, treeopt
@@ -145,7 +147,8 @@ def restore(
             (``opt.init(params)``) or abstract (``jax.eval_shape(opt.init, params)``).
             Each leaf is restored onto the sharding of the target's leaf (a
             ``jax.Array``'s, or a ``ShapeDtypeStruct``'s ``sharding``), else onto
-            the first local device.
+            the first local device. A ``treeopt.nnx`` drop-in (built, or from
+            ``nnx.eval_shape``) gives a copy of it holding the restored optimizer.
         params: also restore the params saved with the optimizer, into this
             tree (concrete or abstract); they are matched by name.
         shardings: a ``jax.sharding.Sharding`` for every optimizer leaf, or a tree
@@ -306,6 +309,7 @@ class CheckpointManager:
         self._deleted = os.path.join(self.directory, deleted_subdir) if deleted_subdir else None
         self._options = options
         self.manager = self._orbax_manager()
+        self._saving = False  # a save of this manager may still be writing in the background
         names = options.step_name_format or orbax_checkpoint().step.standard_name_format(
             step_prefix=options.step_prefix, step_format_fixed_length=options.step_format_fixed_length
         )
@@ -372,6 +376,7 @@ class CheckpointManager:
             self.manager.wait_until_finished()  # as orbax's save does first; then nothing is in flight
         with self._cleaning_up(f"saving step {step}"):
             saved = bool(self.manager.save(step, args=args, force=force, custom_metadata=metadata))
+        self._saving = self._saving or saved
         self._empty_deleted()  # orbax waited for the previous save, and its deletions, to finish
         return saved
 
@@ -451,8 +456,19 @@ class CheckpointManager:
         return steps[-1] if steps else None
 
     def all_steps(self) -> Sequence[int]:
-        """The complete steps, oldest first; a warning names each step directory that is not complete."""
+        """The complete steps, oldest first; a warning names each step directory that is not complete.
+
+        This manager's own saves count: one still being written is waited for
+        first, so the step just saved is listed (not warned about as incomplete).
+        """
+        self._finish_own_saves()
         return self._dir.complete(self.manager.all_steps())
+
+    def _finish_own_saves(self) -> None:
+        """Waits for this manager's asynchronous saves, if one may still be in flight."""
+        if self._saving:
+            self._saving = False  # first: a failed wait notes latest_step, which comes back here
+            self.wait_until_finished()
 
     def wait_until_finished(self) -> None:
         """Blocks until pending (async) saves are written and the steps they drop deleted."""
@@ -483,7 +499,11 @@ class CheckpointManager:
 
 
 def _saved_state(opt: Any) -> Any:
-    """The state dict that a checkpoint of ``opt`` holds; anything but an initialized optimizer is refused."""
+    """The state dict that a checkpoint of ``opt`` (or of the drop-in holding it) holds.
+
+    Anything but an initialized optimizer, or an object holding one, is refused.
+    """
+    opt, _ = held_optimizer(opt)
     if not isinstance(opt, Optimizer) or not opt.initialized:
         raise TypeError(
             f"save needs an initialized treeopt.Optimizer (opt = Optimizer(tx).init(params)), got {opt!r}."
@@ -494,7 +514,8 @@ def _saved_state(opt: Any) -> Any:
 def _restored(
     reader: Any, target: Any, params: Any, shardings: Any, param_shardings: Any, strict: bool
 ) -> Any:
-    """``target`` (and ``params``) with the values ``reader`` holds; see :func:`restore`."""
+    """``target`` (and ``params``) with the values ``reader`` holds, of ``target``'s kind; see :func:`restore`."""
+    target, wrap = held_optimizer(target)
     if not isinstance(target, Optimizer) or not target.initialized:
         raise TypeError(
             "restore needs a target optimizer with the state's structure: an initialized "
@@ -503,6 +524,6 @@ def _restored(
         )
     restored = reader.restore_into(state_parts(target), params, shardings, param_shardings, strict)
     if params is None:
-        return with_state_parts(target, restored)
+        return wrap(with_state_parts(target, restored))
     parts, params = restored
-    return with_state_parts(target, parts), params
+    return wrap(with_state_parts(target, parts)), params

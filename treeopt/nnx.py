@@ -9,7 +9,7 @@ The constructor, ``update(model, grads, **kwargs)`` (the model updated in
 place, the updates returned), ``step``, ``opt_state``, ``nnx.jit``,
 ``nnx.split`` / ``nnx.merge``, ``nnx.state`` and ``nnx.cached_partial`` work
 as with nnx. The optimizer is an nnx ``Pytree`` holding one
-:class:`treeopt.Optimizer` in an ``nnx.OptState`` variable, ``treeopt``; it
+:class:`treeopt.Optimizer` as ``treeopt``, an ``nnx.OptState`` per array; it
 has no optimizer logic of its own, so treeopt's features come with it:
 ``opt.learning_rate = x`` with no recompilation, ``state_dict()`` keyed by
 parameter name, ``partition_specs`` (ZeRO-1 with ``shard_state_over=``), and
@@ -56,8 +56,9 @@ _apply_updates = jax.jit(optax.apply_updates)
 class Optimizer(nnx.Pytree, Generic[M]):
     """``nnx.Optimizer(model, tx, wrt=...)`` on a :class:`treeopt.Optimizer`: same constructor, same ``update``.
 
-    The state is ``treeopt``, an ``nnx.OptState`` variable whose value is the
-    :class:`treeopt.Optimizer` trained on ``nnx.state(model, wrt)``: read it
+    The state is ``treeopt``, which holds the :class:`treeopt.Optimizer`
+    trained on ``nnx.state(model, wrt)`` as ``nnx.Optimizer`` holds its state,
+    an ``nnx.OptState`` per array (:class:`HeldOptimizer`): read it
     with ``optimizer.treeopt.get_value()`` (``.value`` on flax 0.12.0) and replace it (a restored
     checkpoint, a sharded copy) with ``optimizer.treeopt.set_value(...)``.
 
@@ -95,13 +96,14 @@ class Optimizer(nnx.Pytree, Generic[M]):
         graph: bool | None = None,
         **kwargs: Any,
     ):
+        _refuse_swapped(model, tx)
         params = _as_pure(_state(model, wrt, graph=graph))
         if not jax.tree.leaves(params):
             raise ValueError(_empty_selection_message(model, wrt, graph))
         self.tx = tx
         self.wrt = wrt
         self.graph = graph
-        self.treeopt = nnx.OptState(treeopt.Optimizer(tx, **kwargs).init(params))
+        self.treeopt = HeldOptimizer(treeopt.Optimizer(tx, **kwargs).init(params))
 
     # -- what nnx.Optimizer has ------------------------------------------------------
 
@@ -127,6 +129,11 @@ class Optimizer(nnx.Pytree, Generic[M]):
     def opt_state(self) -> OptState:
         """The optax state, over the flat ``{name: param}`` dict (``opt_state[0].mu["kernel"]`` for adam).
 
+        As ``nnx.Optimizer``'s, each array is an ``nnx.OptState`` variable held
+        by this optimizer: ``opt_state.hyperparams["learning_rate"][...] = x``
+        sets an injected hyperparameter in place (as ``optimizer.learning_rate = x``
+        does), and ``nnx.state(optimizer)`` lists every one of them.
+
         Example:
             >>> import optax, treeopt.nnx
             >>> from flax import nnx
@@ -135,7 +142,7 @@ class Optimizer(nnx.Pytree, Generic[M]):
             >>> optimizer.opt_state[0].mu["kernel"].shape
             (2, 1)
         """
-        return self._core().opt_state
+        return self.treeopt.opt_state
 
     def update(self, model: M, grads: Any, /, **kwargs: Any) -> Updates:
         """One step: updates ``model``'s ``wrt`` variables in place and returns the updates.
@@ -307,6 +314,76 @@ class Optimizer(nnx.Pytree, Generic[M]):
         core: treeopt.Optimizer = _raw_value(self.treeopt)
         return core
 
+    # -- checkpoints: treeopt.checkpoint saves the optimizer held, and restores into a copy -----
+
+    def __treeopt_optimizer__(self) -> treeopt.Optimizer:
+        """The :class:`treeopt.Optimizer` held, which ``treeopt.checkpoint.save`` writes."""
+        return self._core()
+
+    def __treeopt_with__(self, core: treeopt.Optimizer) -> Optimizer[M]:
+        """A copy of this drop-in holding ``core``: what ``treeopt.checkpoint.restore`` returns."""
+        new = nnx.clone(self)
+        _set_value(new.treeopt, core)
+        return new
+
+
+class HeldOptimizer(nnx.Pytree):
+    """A :class:`treeopt.Optimizer` held by nnx as ``nnx.Optimizer`` holds its state: an ``nnx.OptState`` per array.
+
+    ``nnx.state(optimizer)`` then lists ``treeopt/step``,
+    ``treeopt/opt_state/0/mu/<name>``, ... so flax's checkpoint recipe
+    (``nnx.to_pure_dict`` → orbax → ``nnx.replace_by_pure_dict``) finds every
+    key it saved. Read the optimizer with :meth:`get_value` and replace it with
+    :meth:`set_value`, as with a Variable.
+
+    Example:
+        >>> import jax.numpy as jnp, optax, treeopt
+        >>> held = HeldOptimizer(treeopt.Optimizer(optax.adam(1e-3)).init({"w": jnp.ones(2)}))
+        >>> int(held.get_value().step), type(held.step).__name__
+        (0, 'OptState')
+    """
+
+    def __init__(self, value: treeopt.Optimizer):
+        self.set_value(value)
+
+    def get_value(self) -> treeopt.Optimizer:
+        """The :class:`treeopt.Optimizer`, rebuilt from the variables' values."""
+        leaves = [_raw_value(v) for v in jax.tree.leaves(self._variables(), is_leaf=_is_variable)]
+        return jax.tree.unflatten(self.structure, leaves)
+
+    get_raw_value = get_value
+
+    def set_value(self, value: treeopt.Optimizer) -> None:
+        """Replaces the optimizer: in place, variable by variable, where its structure is unchanged."""
+        structure = jax.tree.structure(value)
+        current = vars(self).get("structure")
+        if current is not None and current == structure:
+            variables = jax.tree.leaves(self._variables(), is_leaf=_is_variable)
+            for variable, leaf in zip(variables, jax.tree.leaves(value), strict=True):
+                _set_value(variable, leaf)
+            return
+        held = jax.tree.map(nnx.OptState, value)
+        self.structure = nnx.static(structure) if hasattr(nnx, "static") else structure
+        self.step = held.step
+        self.opt_state = nnx.data(held.opt_state) if hasattr(nnx, "data") else held.opt_state
+        self.master = nnx.data(held.master) if hasattr(nnx, "data") else held.master
+
+    @property
+    def value(self) -> treeopt.Optimizer:
+        """The :class:`treeopt.Optimizer` (``get_value()``; the name flax 0.12.0 reads)."""
+        return self.get_value()
+
+    @value.setter
+    def value(self, value: treeopt.Optimizer) -> None:
+        self.set_value(value)
+
+    def _variables(self) -> tuple[Any, Any, Any]:
+        return (self.step, self.opt_state, self.master)
+
+
+def _is_variable(x: Any) -> bool:
+    return isinstance(x, nnx.Variable)
+
 
 class ModelAndOptimizer(Optimizer[M]):
     """``nnx.ModelAndOptimizer(model, tx, wrt=nnx.Param)``: the optimizer keeps the model; ``update(grads)``.
@@ -350,6 +427,16 @@ class ModelAndOptimizer(Optimizer[M]):
         return super().update(self.model, grads, **kwargs)
 
 
+def _refuse_swapped(model: Any, tx: Any) -> None:
+    """``Optimizer(tx, model, ...)``: the arguments in the wrong order, named before ``wrt`` is blamed."""
+    if isinstance(model, optax.GradientTransformation) and not isinstance(tx, optax.GradientTransformation):
+        raise TypeError(
+            "Optimizer(model, tx, wrt=...) takes the model first and the optax transformation second, "
+            f"as nnx.Optimizer does; got the transformation first and a {type(tx).__name__} second: "
+            "the two are swapped."
+        )
+
+
 def _holds_variables(state: Any) -> bool:
     return any(
         isinstance(x, nnx.Variable)
@@ -359,11 +446,11 @@ def _holds_variables(state: Any) -> bool:
 
 # flax 0.12.0 reads and writes a Variable's value as `.value`; later versions deprecate that
 # for get_value / set_value (get_raw_value: without the Variable's hooks).
-def _raw_value(variable: nnx.Variable[Any]) -> Any:
+def _raw_value(variable: nnx.Variable[Any] | HeldOptimizer) -> Any:
     return variable.get_raw_value() if hasattr(type(variable), "get_raw_value") else variable.value
 
 
-def _set_value(variable: nnx.Variable[Any], value: Any) -> None:
+def _set_value(variable: nnx.Variable[Any] | HeldOptimizer, value: Any) -> None:
     if hasattr(type(variable), "set_value"):
         variable.set_value(value)
     else:

@@ -12,6 +12,7 @@ from jax.tree_util import GetAttrKey
 
 from treeopt import hyperparams as _hyperparams
 from treeopt._compat.deprecations import moved_names
+from treeopt._sharding.explicit import like_inputs
 from treeopt._sharding.optimizer_specs import optimizer_state_specs
 from treeopt._state import state_dict as _state_dict
 from treeopt._state.initial import as_transformation, init_inputs, transformation_name
@@ -66,7 +67,9 @@ class Optimizer:
               ``nnx.Any``, ``nnx.All``, ``nnx.Not``, ``nnx.WithTag``), called as
               nnx calls it, with the nnx path and the ``Variable``.
             - any other callable: a predicate ``(name, leaf) -> bool`` on the
-              parameter name and the raw array. Wrap an nnx-style
+              parameter name and the array; it is asked about array leaves
+              only (an equinox model's functions, Python numbers and strings
+              are never trained, and never passed to it). Wrap an nnx-style
               ``(path, variable)`` function in ``nnx.Any(fn)`` to have it read
               as an nnx filter.
             - a list or tuple mixing these: a leaf any of them selects.
@@ -195,18 +198,15 @@ class Optimizer:
         state_bits: int | Mapping[str, int | None] | None = None,
         param_rounding: str | None = None,
     ):
-        set_ = object.__setattr__
-        set_(self, "tx", as_transformation(tx))
-        set_(self, "wrt", tuple(wrt) if isinstance(wrt, list) else wrt)
-        set_(self, "master_dtype", checked_master_dtype(master_dtype))
-        set_(self, "state_bits", checked_state_bits(state_bits))
-        set_(self, "param_rounding", checked_param_rounding(param_rounding, self.master_dtype))
-        set_(self, "_layout", None)
-        set_(self, "_lookahead", False)
-        set_(self, "step", None)
-        set_(self, "opt_state", None)
-        set_(self, "master", None)
-        set_(self, "rounding", None)
+        master_dtype = checked_master_dtype(master_dtype)
+        static = (
+            as_transformation(tx),
+            tuple(wrt) if isinstance(wrt, list) else wrt,
+            master_dtype,
+            checked_state_bits(state_bits),
+            checked_param_rounding(param_rounding, master_dtype),
+        )
+        self._fill((*static, None, False), ())
 
     # -- pytree ----------------------------------------------------------------
 
@@ -226,15 +226,14 @@ class Optimizer:
     @classmethod
     def _tree_unflatten(cls, aux: Any, children: Any) -> Optimizer:
         self = object.__new__(cls)
-        *static, layout, lookahead = aux
-        for name, value in zip(_STATIC, static, strict=True):
-            object.__setattr__(self, name, value)
-        object.__setattr__(self, "_layout", layout)
-        object.__setattr__(self, "_lookahead", lookahead)
-        values = children if layout is not None else (None,) * len(_CHILDREN)
-        for name, value in zip(_CHILDREN, values, strict=True):
-            object.__setattr__(self, name, value)
+        self._fill(aux, children)
         return self
+
+    def _fill(self, aux: Any, children: Any) -> None:
+        *static, layout, lookahead = aux
+        values = (*static, layout, lookahead, *(children if layout is not None else (None,) * len(_CHILDREN)))
+        for name, value in zip(_FIELDS, values, strict=True):
+            object.__setattr__(self, name, value)
 
     # -- init --------------------------------------------------------------------
 
@@ -354,7 +353,7 @@ class Optimizer:
             object.__setattr__(self, "master", result.master)
         if result.rounding is not None:
             object.__setattr__(self, "rounding", result.rounding)
-        return inputs.rebuild(result.output)
+        return inputs.rebuild(like_inputs(result.output, inputs.params if apply_updates else None))
 
     def _step_on(self, inputs: FlatInputs, apply_updates: bool, params_given: bool) -> FlatStep:
         """``flat_step`` on checked inputs; a donated optimizer is named only once JAX refused it."""

@@ -6,6 +6,8 @@
   dimension of every large state leaf.
 - ``optimizer_specs``: the specs of a state's parts (optax state, master
   copies), checked against the params and the mesh.
+- ``explicit``: under JAX's explicit mesh axes, the new params resharded to
+  the types of the params given to ``update``.
 - ``abstract``: ``jax.eval_shape`` with an error that says how to build an
   abstract equinox target.
 

@@ -73,6 +73,24 @@ def is_float_array(leaf: Any) -> bool:
     )
 
 
+def is_array(leaf: Any) -> bool:
+    """True for array leaves (numpy, jax, tracers, abstract): what a ``wrt`` predicate is asked about.
+
+    A model's other leaves (equinox's activation functions, Python numbers,
+    strings) are never trained, so a predicate never sees them.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> is_array(jnp.ones(2)), is_array(jax.nn.relu), is_array(1.0)
+        (True, False, False)
+    """
+    return (
+        hasattr(leaf, "shape")
+        and hasattr(leaf, "dtype")
+        and not isinstance(leaf, (int, float, complex, bool))
+    )
+
+
 Select = Callable[[LeafInfo, Any], bool]
 
 
@@ -104,7 +122,7 @@ def _selector(wrt: Wrt) -> Select:
         predicate = _nnx_select(wrt)
         return lambda info, leaf: is_float_array(leaf) and predicate(info, leaf)
     if callable(wrt):
-        return lambda info, leaf: bool(wrt(info.name, leaf))
+        return lambda info, leaf: is_array(leaf) and bool(wrt(info.name, leaf))
     raise TypeError(
         "wrt must be None, a glob over parameter names (or a list of globs), a predicate "
         "(name, leaf) -> bool, or an nnx filter (nnx.Param, (nnx.Param, nnx.BatchStat), "
