@@ -367,6 +367,7 @@ class HeldOptimizer(nnx.Pytree):
         self.step = held.step
         self.opt_state = nnx.data(held.opt_state) if hasattr(nnx, "data") else held.opt_state
         self.master = nnx.data(held.master) if hasattr(nnx, "data") else held.master
+        self.rounding = nnx.data(held.rounding) if hasattr(nnx, "data") else held.rounding
 
     @property
     def value(self) -> treeopt.Optimizer:
@@ -377,8 +378,8 @@ class HeldOptimizer(nnx.Pytree):
     def value(self, value: treeopt.Optimizer) -> None:
         self.set_value(value)
 
-    def _variables(self) -> tuple[Any, Any, Any]:
-        return (self.step, self.opt_state, self.master)
+    def _variables(self) -> tuple[Any, Any, Any, Any]:
+        return (self.step, self.opt_state, self.master, self.rounding)
 
 
 def _is_variable(x: Any) -> bool:

@@ -1,0 +1,326 @@
+"""bfloat16 params without a float32 copy: ``treeopt.Optimizer(tx, param_rounding="kahan" | "stochastic")``.
+
+The reference is optax on float32 params over the same batches: a small
+teacher-student regression with minibatch noise. Kahan-compensated summation
+must end within 1 % of its final loss, stochastic rounding within 3 %, at
+learning rates 1e-3, 1e-4 and 1e-5, where plain bfloat16 (rounded to nearest)
+ends clearly worse. The distance of the params from the float32 trajectory is
+bounded too. Stochastic rounding must be unbiased, draw new bits every step,
+and resume bit for bit from a state dict.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+import treeopt
+from treeopt._state.rounding import stochastic_round
+
+from _helpers import assert_trees_equal
+
+D_IN, D_HIDDEN, D_OUT = 64, 128, 32
+STEPS, BATCH = 500, 64
+F32, BF16 = jnp.float32, jnp.bfloat16
+TEACHER = jax.random.normal(jax.random.key(9), (D_IN, D_OUT)) / 8
+
+
+def make_params(dtype=F32):
+    k1, k2 = jax.random.split(jax.random.key(0))
+    params = {
+        "w1": jax.random.normal(k1, (D_IN, D_HIDDEN)) / 8,
+        "w2": jax.random.normal(k2, (D_HIDDEN, D_OUT)) / 8,
+    }
+    return jax.tree.map(lambda x: x.astype(dtype), params)
+
+
+def loss_fn(params, x):
+    hidden = jnp.tanh(x @ params["w1"].astype(F32))
+    return jnp.mean((hidden @ params["w2"].astype(F32) - x @ TEACHER) ** 2)
+
+
+def batch(i):
+    return jax.random.normal(jax.random.fold_in(jax.random.key(1), i), (BATCH, D_IN))
+
+
+@jax.jit
+def train_step(params, opt, i):
+    loss, grads = jax.value_and_grad(loss_fn)(params, batch(i))
+    return opt.update(grads, params), opt, loss
+
+
+def train(opt, params, steps=STEPS, start=0):
+    losses = []
+    for i in range(start, start + steps):
+        params, opt, loss = train_step(params, opt, i)
+        losses.append(float(loss))
+    return params, opt, float(np.mean(losses[-100:]))
+
+
+@functools.cache
+def run(mode, lr):
+    """``(final params as float32, final loss)`` of one way to train: "f32", "bf16", "kahan", "stochastic"."""
+    params = make_params(F32 if mode == "f32" else BF16)
+    rounding = mode if mode in ("kahan", "stochastic") else None
+    opt = treeopt.Optimizer(optax.adam(lr), param_rounding=rounding).init(params)
+    params, _, loss = train(opt, params)
+    return jax.tree.map(lambda x: np.asarray(x, np.float32), params), loss
+
+
+def distance_from_f32(mode, lr):
+    """Mean absolute distance of the final params from the float32 run's."""
+    ours, reference = run(mode, lr)[0], run("f32", lr)[0]
+    return float(
+        np.mean(
+            [
+                np.mean(np.abs(a - b))
+                for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(reference), strict=True)
+            ]
+        )
+    )
+
+
+# -- against float32 optax -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("lr", [1e-3, 1e-4, 1e-5])
+@pytest.mark.parametrize(("mode", "within"), [("kahan", 0.01), ("stochastic", 0.03)])
+def test_the_final_loss_stays_within_the_stated_ratio_of_float32(mode, within, lr):
+    assert abs(run(mode, lr)[1] / run("f32", lr)[1] - 1) <= within
+
+
+@pytest.mark.parametrize("lr", [1e-3, 1e-4])
+def test_plain_bfloat16_ends_clearly_worse_on_the_same_task(lr):
+    # The control: rounding to nearest loses the small updates (1.5x and 2.2x float32's loss here).
+    assert run("bf16", lr)[1] / run("f32", lr)[1] > 1.2
+
+
+@pytest.mark.parametrize("lr", [1e-3, 1e-4])
+def test_the_params_stay_near_the_float32_trajectory(lr):
+    # The params are of order 0.1: a bfloat16 step there is 2**-10 ~ 1e-3. Kahan stays within a
+    # few steps of the float32 params; stochastic rounding wanders further, plain bfloat16 furthest.
+    kahan, stochastic, plain = (distance_from_f32(mode, lr) for mode in ("kahan", "stochastic", "bf16"))
+    assert kahan < 2e-3
+    assert stochastic < 1e-2
+    assert kahan < plain and stochastic < plain
+
+
+# -- stochastic rounding is unbiased ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fraction", [0.25, 0.5 - 2**-8, 0.5, 0.5 + 2**-8, 0.75])
+def test_stochastic_rounding_is_unbiased_around_the_midpoint(fraction):
+    low = np.float32(1.0)
+    gap = np.float32(2.0**-7)  # the distance between neighbouring bfloat16 values in [1, 2)
+    x = jnp.full(200_000, low + fraction * gap, F32)
+    rounded = stochastic_round(x, BF16, jax.random.key(3)).astype(F32)
+    assert set(np.unique(rounded).tolist()) <= {float(low), float(low + gap)}
+    # Each draw is a Bernoulli(fraction) step of size gap: its mean has standard error gap*sqrt(p(1-p)/n).
+    bound = 5 * gap * np.sqrt(fraction * (1 - fraction) / x.size)
+    assert abs(float(rounded.mean()) - float(x[0])) <= bound
+
+
+def test_stochastic_rounding_keeps_representable_values_and_negative_ones_unbiased():
+    exact = jnp.asarray([1.0, -2.5, 0.0, 3.0], F32)
+    np.testing.assert_array_equal(stochastic_round(exact, BF16, jax.random.key(0)).astype(F32), exact)
+    x = jnp.full(100_000, -(1.0 + 0.3 * 2.0**-7), F32)
+    rounded = stochastic_round(x, BF16, jax.random.key(1)).astype(F32)
+    assert abs(float(rounded.mean()) - float(x[0])) <= 5 * 2.0**-7 * np.sqrt(0.21 / x.size)
+
+
+def test_new_random_bits_every_step_and_the_key_in_the_state():
+    params = {"w": jnp.full((256,), 1.0, BF16)}
+    opt = treeopt.Optimizer(optax.sgd(2.0**-9), param_rounding="stochastic").init(params)
+    key_before = jax.random.key_data(opt.rounding["key"])
+    grads = {"w": jnp.full((256,), -1.0, BF16)}  # each step adds a quarter of a bfloat16 step
+    first = opt.update(grads, params)
+    second = opt.update(grads, params)  # the same inputs: only the key differs
+    assert not np.array_equal(np.asarray(first["w"]), np.asarray(second["w"]))
+    assert not np.array_equal(jax.random.key_data(opt.rounding["key"]), key_before)
+    assert "rounding_key" in opt.state_dict()
+
+
+# -- bytes, options, bad input ---------------------------------------------------------------------
+
+
+def test_kahan_adds_two_bytes_per_bfloat16_parameter_and_stochastic_a_key_only():
+    params = make_params(BF16)
+    n = sum(x.size for x in jax.tree.leaves(params))
+    plain = treeopt.Optimizer(optax.adam(1e-3)).init(params)
+    kahan = treeopt.Optimizer(optax.adam(1e-3), param_rounding="kahan").init(params)
+    stochastic = treeopt.Optimizer(optax.adam(1e-3), param_rounding="stochastic").init(params)
+
+    def held(opt):
+        return sum(x.nbytes for x in jax.tree.leaves(opt.rounding))
+
+    assert held(plain) == 0
+    assert held(kahan) == 2 * n
+    assert all(c.dtype == BF16 for c in kahan.rounding["compensation"].values())
+    assert held(stochastic) <= 16
+    # tx runs on float32 values: its moments are float32 for bfloat16 params.
+    assert kahan.opt_state[0].mu["w1"].dtype == F32
+
+
+def test_float32_leaves_are_stepped_exactly_as_without_the_option():
+    params = {"narrow": jnp.ones((8,), BF16) * 0.5, "wide": jnp.linspace(-1, 1, 8)}
+    grads = {"narrow": jnp.ones((8,), BF16), "wide": jnp.cos(jnp.arange(8.0))}
+    for mode in ("kahan", "stochastic"):
+        ours = treeopt.Optimizer(optax.adam(1e-2), param_rounding=mode).init(params).update(grads, params)
+        plain = treeopt.Optimizer(optax.adam(1e-2)).init(params).update(grads, params)
+        np.testing.assert_array_equal(ours["wide"], plain["wide"])
+        assert ours["narrow"].dtype == BF16
+
+
+def test_together_with_master_dtype_is_an_error_naming_both():
+    with pytest.raises(ValueError, match=r"param_rounding='kahan' and master_dtype=float32"):
+        treeopt.Optimizer(optax.adam(1e-3), master_dtype=jnp.float32, param_rounding="kahan")
+
+
+@pytest.mark.parametrize("bad", ["nearest", "Kahan", 1, True])
+def test_any_other_value_names_the_choices(bad):
+    with pytest.raises(ValueError, match=r"param_rounding must be None, 'kahan' or 'stochastic'"):
+        treeopt.Optimizer(optax.adam(1e-3), param_rounding=bad)
+
+
+# -- jit, state dicts, checkpoints, warm starts ----------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["kahan", "stochastic"])
+def test_one_trace_with_donation_and_learning_rate_changes(mode):
+    traces = []
+
+    @functools.partial(jax.jit, donate_argnums=(1,))
+    def step(params, opt, i):
+        traces.append(None)
+        return opt.update(jax.grad(loss_fn)(params, batch(i)), params), opt
+
+    params = make_params(BF16)
+    opt = treeopt.Optimizer(
+        optax.inject_hyperparams(optax.adam)(learning_rate=1e-3), param_rounding=mode
+    ).init(params)
+    for i in range(3):
+        opt.learning_rate = 1e-3 / (i + 1)
+        params, opt = step(params, opt, i)
+    assert len(traces) == 1 and params["w1"].dtype == BF16
+
+
+@pytest.mark.parametrize(("mode", "entry"), [("kahan", "compensation"), ("stochastic", "rounding_key")])
+def test_state_dicts_resume_bit_for_bit(mode, entry):
+    params, opt, _ = train(
+        treeopt.Optimizer(optax.adam(1e-4), param_rounding=mode).init(make_params(BF16)),
+        make_params(BF16),
+        steps=5,
+    )
+    sd = opt.state_dict()
+    assert entry in sd
+    if mode == "kahan":
+        assert set(sd["compensation"]) == {"w1", "w2"} and bool(jnp.any(sd["compensation"]["w1"] != 0))
+    restored = (
+        treeopt.Optimizer(optax.adam(1e-4), param_rounding=mode).init(make_params(BF16)).load_state_dict(sd)
+    )
+    p1, o1, _ = train(opt, params, steps=5, start=5)
+    p2, o2, _ = train(restored, params, steps=5, start=5)
+    assert_trees_equal(p1, p2)
+    assert_trees_equal(o1.state_dict(), o2.state_dict())
+
+
+def test_checkpoints_and_the_manager_round_trip_the_compensation(tmp_path):
+    params, opt, _ = train(
+        treeopt.Optimizer(optax.adam(1e-4), param_rounding="kahan").init(make_params(BF16)),
+        make_params(BF16),
+        steps=3,
+    )
+    abstract = jax.eval_shape(
+        treeopt.Optimizer(optax.adam(1e-4), param_rounding="kahan").init, make_params(BF16)
+    )
+    with treeopt.checkpoint.CheckpointManager(tmp_path / "run") as manager:
+        manager.save(3, opt, params, force=True)
+        restored, restored_params = manager.restore(abstract, jax.eval_shape(lambda: params), step=3)
+    assert_trees_equal(restored.state_dict(), opt.state_dict())
+    assert_trees_equal(restored_params, params)
+
+
+def test_warm_start_from_a_run_without_the_option_and_back():
+    params, plain, _ = train(
+        treeopt.Optimizer(optax.adam(1e-4)).init(make_params(BF16)), make_params(BF16), steps=3
+    )
+    kahan, report = treeopt.serialization.warm_start(
+        treeopt.Optimizer(optax.adam(1e-4), param_rounding="kahan").init(params), plain
+    )
+    assert "compensation/w1" in report.missing  # kept as init made them: zeros
+    # The bfloat16 run's moments, cast up into the float32 state tx keeps here.
+    assert ("opt_state/0/mu/w1", "bfloat16", "float32") in report.cast
+    back, report = treeopt.serialization.warm_start(treeopt.Optimizer(optax.adam(1e-4)).init(params), kahan)
+    assert "compensation/w1" in report.unexpected
+    assert int(back.step) == 3
+
+
+# -- sharding, masks, modules ----------------------------------------------------------------------
+
+
+def test_the_compensation_takes_its_params_spec_and_zero_one_splits_it():
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(8, 1), ("data", "model"))
+    opt = treeopt.Optimizer(optax.adam(1e-4), param_rounding="kahan").init(make_params(BF16))
+    specs = opt.partition_specs({"w1": P(None, "model"), "w2": P("model")})
+    assert specs.rounding["compensation"]["w1"] == P(None, "model")
+    zero = opt.partition_specs({"w1": P(), "w2": P()}, shard_state_over="data", mesh=mesh)
+    assert zero.rounding["compensation"]["w2"] == P("data")
+    sharded = treeopt.partitioning.init_sharded(
+        treeopt.Optimizer(optax.adam(1e-4), param_rounding="kahan"),
+        make_params(BF16),
+        mesh,
+        {"w1": P(), "w2": P()},
+        shard_state_over="data",
+    )
+    compensation = sharded.rounding["compensation"]["w1"]
+    assert compensation.addressable_shards[0].data.nbytes * 8 == compensation.nbytes
+    stochastic = treeopt.Optimizer(optax.adam(1e-4), param_rounding="stochastic").init(make_params(BF16))
+    assert stochastic.partition_specs({"w1": P(), "w2": P()}).rounding["key"] == P()
+
+
+def test_masks_and_multi_transform_by_name_with_low_bit_state():
+    params = make_params(BF16)
+    tx = optax.multi_transform(
+        {"train": optax.adam(1e-3), "frozen": optax.set_to_zero()},
+        treeopt.labels({"w1": "train"}, default="frozen"),
+    )
+    opt = treeopt.Optimizer(tx, param_rounding="kahan", state_bits=8).init(params)
+    new, opt, _ = train(opt, params, steps=3)
+    np.testing.assert_array_equal(new["w2"], params["w2"])
+    assert not np.array_equal(np.asarray(new["w1"]), np.asarray(params["w1"]))
+
+
+def test_an_nnx_module_in_place_the_drop_in_and_an_equinox_module():
+    from flax import nnx
+
+    import treeopt.nnx
+
+    x = batch(0)
+    model = nnx.Linear(D_IN, D_OUT, param_dtype=BF16, rngs=nnx.Rngs(0))
+    opt = treeopt.Optimizer(optax.adam(1e-2), param_rounding="kahan").init(model)
+    grads = nnx.grad(lambda m: jnp.mean(m(x).astype(F32) ** 2))(model)
+    assert opt.update(grads, model) is model and model.kernel[...].dtype == BF16
+    assert bool(jnp.any(opt.rounding["compensation"]["kernel"] != 0))
+
+    model = nnx.Linear(D_IN, D_OUT, param_dtype=BF16, rngs=nnx.Rngs(0))
+    core_model = nnx.Linear(D_IN, D_OUT, param_dtype=BF16, rngs=nnx.Rngs(0))
+    dropin = treeopt.nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param, param_rounding="stochastic")
+    core = treeopt.Optimizer(optax.adam(1e-2), param_rounding="stochastic").init(core_model)
+    for _ in range(3):
+        dropin.update(model, nnx.grad(lambda m: jnp.mean(m(x).astype(F32) ** 2))(model))
+        core.update(nnx.grad(lambda m: jnp.mean(m(x).astype(F32) ** 2))(core_model), core_model)
+    np.testing.assert_array_equal(np.asarray(model.kernel[...]), np.asarray(core_model.kernel[...]))
+
+    eqx = pytest.importorskip("equinox")
+    linear = eqx.nn.Linear(D_IN, D_OUT, key=jax.random.key(0), dtype=BF16)
+    opt = treeopt.Optimizer(optax.adam(1e-2), param_rounding="kahan").init(eqx.filter(linear, eqx.is_array))
+    grads = eqx.filter_grad(lambda m: jnp.mean(jax.vmap(m)(x).astype(F32) ** 2))(linear)
+    new = opt.update(grads, linear)
+    assert isinstance(new, eqx.nn.Linear) and new.weight.dtype == BF16
