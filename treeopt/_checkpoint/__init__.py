@@ -6,6 +6,7 @@
   saves moved aside, housekeeping.
 - ``writer_lock``: the one writer per checkpoint directory.
 - ``siblings``: a checkpoint replaced atomically through sibling directories.
+- ``held``: the drop-ins that hold a ``treeopt.Optimizer``, recognised by two methods.
 
 May import: ``treeopt._state``, ``treeopt._tree``, ``treeopt.errors``,
 ``treeopt.keys``. The public face is ``treeopt.checkpoint``.

@@ -10,7 +10,10 @@
   the types of the params given to ``update``.
 - ``abstract``: ``jax.eval_shape`` with an error that says how to build an
   abstract equinox target.
+- ``explicit``: under JAX's explicit axes, values resharded to the sharding
+  of the value they replace or meet.
 
-May import: ``treeopt._tree``, ``treeopt.errors``, ``treeopt.typing``. It is
-handed the state's parts and the layout, never the optimizer.
+May import: ``treeopt._compat``, ``treeopt._tree``, ``treeopt.errors``,
+``treeopt.typing``. It is handed the state's parts and the layout, never the
+optimizer; the state wing builds on it, not the reverse.
 """

@@ -41,6 +41,20 @@ def _like(new: Any, sharding: Any) -> Any:
     return jax.sharding.reshard(new, sharding)
 
 
+def resharded_like(x: Any, target: Any) -> Any:
+    """``x`` resharded to ``target``'s sharding where ``target`` is on an explicit mesh, else ``x``.
+
+    Explicit axes refuse a ``jnp.where`` over values of two shardings (a param
+    and its ZeRO-split master): one of them is brought to the other's first.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> resharded_like(jnp.ones(2), jnp.zeros(2))
+        Array([1., 1.], dtype=float32)
+    """
+    return _like(x, explicit_sharding(target))
+
+
 def like_inputs(new: Any, old: Any) -> Any:
     """``new`` with each leaf resharded to the explicit sharding of the leaf of ``old`` it replaces.
 

@@ -12,7 +12,7 @@
 - ``master``: master weights (wider copies of narrow params) and their step.
 - ``lowbit``: the block-wise 8- and 4-bit codec of state leaves (``state_bits=``).
 
-May import: ``treeopt._tree``, ``treeopt.errors``, ``treeopt.keys``,
-``treeopt.typing``. It is handed the optimizer's parts (layout, state, step)
+May import: ``treeopt._compat``, ``treeopt._tree``, ``treeopt._sharding``
+(explicit-axes resharding), ``treeopt.errors``, ``treeopt.keys``, ``treeopt.typing``. It is handed the optimizer's parts (layout, state, step)
 and returns parts, never the optimizer.
 """

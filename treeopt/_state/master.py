@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from treeopt._sharding.explicit import resharded_like
 from treeopt._state.step_io import FlatStep, StepInputs
 from treeopt._state.step_rule import next_step
 
@@ -85,7 +86,8 @@ def follow_params(master: Mapping[str, Any], flat_params: Mapping[str, Any]) -> 
     for name, m in master.items():
         p = flat_params.get(name)
         if p is not None:
-            out[name] = jnp.where(p == m.astype(p.dtype), m, p.astype(m.dtype))
+            wide = resharded_like(p.astype(m.dtype), m)  # exact: the param's value, on the master's shards
+            out[name] = jnp.where(wide == m.astype(p.dtype).astype(m.dtype), m, wide)
     return out
 
 
