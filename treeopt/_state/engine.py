@@ -527,11 +527,16 @@ def _fill(
 
 def read_verified(source: Source, placements: Mapping[Path, Any], policy: Policy = EXACT) -> Any:
     """Step 3 and the check of step 4: the source's nested values, placed, verified against its checksum."""
+    return _verified(source, placements, policy)[0]
+
+
+def _verified(source: Source, placements: Mapping[Path, Any], policy: Policy) -> tuple[Any, dict[Path, Any]]:
+    """``(nested, {path: value})`` of the source read and verified: flattened once, for the check and the fill."""
     nested = source.read(placements)
     values = flatten_paths(nested, keep_none=True)
     if not matches(values, source.stored_checksum(), nested=nested if policy.legacy_digest else None):
         raise source.corrupted()
-    return nested
+    return nested, values
 
 
 def load(
@@ -560,5 +565,5 @@ def load(
     pairs, report = match(target, source.entries(), policy, roles)
     _judge(report, strict, messages)
     placements = {pairs[path]: target.slots[path].sharding for path in pairs}
-    values = flatten_paths(read_verified(source, placements, policy), keep_none=True)
+    values = _verified(source, placements, policy)[1]
     return _fill(target, pairs, values, policy, copy=not source.fresh), report
