@@ -48,6 +48,17 @@ NOTES: dict[str, Sequence[tuple[str, str]]] = {
         ("moved", "moved {:.1%}"),
         ("error", "{}"),
     ),
+    "memory_ladder": (
+        ("optimizer_bytes_per_param", "optimizer {:.3f} B/param"),
+        ("zero_bytes_per_param_device0", "ZeRO-1 {:.3f} B/param/device"),
+        ("final_loss", "loss {:.4f}"),
+        ("loss_vs_float32", "x float32 loss {:.4f}"),
+        ("held_out_loss", "held-out {:.4f}"),
+        ("time_vs_float32", "x float32 time {:.3f}"),
+        ("goal", "{}"),
+        ("zero_error", "ZeRO-1: {}"),
+        ("error", "{}"),
+    ),
 }
 
 
@@ -58,6 +69,8 @@ def _value(row: Row) -> str:
         return f"{row.value:.3f} {row.unit}" if row.value < 10 else f"{row.value:.1f} {row.unit}"
     if row.unit == "MiB":
         return f"{row.value:.2f} MiB"
+    if row.unit == "B/param":
+        return f"{row.value:.3f} B/param"
     if row.unit == "traces":
         return f"{row.value:.0f}"
     return f"{row.value:.1f} {row.unit}"

@@ -31,6 +31,7 @@ from benchmarks import (
     gpu_bandwidth,
     many_leaves,
     memory,
+    memory_ladder,
     mixed_precision,
     nnx_loop,
     optimizer_only,
@@ -60,6 +61,10 @@ CASES: dict[str, tuple[str, Callable[..., list[Row]]]] = {
     "mixed_precision": (
         "11. Mixed precision: bf16 + f32 masters, ZeRO-1, 8 virtual CPU devices (ms per step), own process",
         mixed_precision.run,
+    ),
+    "memory_ladder": (
+        "12. Memory ladder: bf16, f32 masters, 8- and 4-bit state, char transformer (B/param), own process",
+        memory_ladder.run,
     ),
 }
 
