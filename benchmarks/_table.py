@@ -24,6 +24,12 @@ NOTES: dict[str, Sequence[tuple[str, str]]] = {
         ("max_abs_diff_to_optax", "|params - optax| {:.1e}"),
     ),
     "gpu_bandwidth": (("median_ms", "{:.2f} ms/step"), ("device", "{}")),
+    "gpu_lowbit": (
+        ("median_ms", "{:.2f} ms/step"),
+        ("time_vs_float32", "x float32 moments {:.3f}"),
+        ("lower_bound_bytes", "{:,.0f} bytes moved at least"),
+        ("device", "{}"),
+    ),
     "many_leaves": (("peak_mib", "peak RSS {:,.0f} MiB"), ("init_s", "init {:.2f} s"), ("error", "{}")),
     "nnx_loop": (
         ("vs_nnx_optimizer", "x nnx.Optimizer {:.3f}"),

@@ -137,8 +137,8 @@ CONFIGS = {
     "quick": Config(128, 2, 512, 4, 64, 16, 150, 3e-3, 5, 64),
     # smoke: no steps (a low-bit step takes XLA 10-20 s to compile on a busy 2-core CPU): the bytes of
     # a fresh state from its shapes and the shardings init_sharded would give it; the smallest leaves
-    # that are still quantized (4,096 elements: 64 x 64).
-    "smoke": Config(64, 1, 128, 2, 16, 2, 0, 1e-3, 0, 2),
+    # that are still quantized (4,096 elements), with blocks of 128 or more.
+    "smoke": Config(128, 1, 256, 2, 16, 2, 0, 1e-3, 0, 2),
 }
 
 
@@ -324,7 +324,9 @@ def _child(profile_name: str) -> dict[str, Any]:
         "model": asdict(model),
         "n_params": n_params,
         "corpus": {"files": files, "characters": sum(files.values()), "python": sys.version.split()[0]},
-        "loss_measured_on": f"training batches, mean of the last {tail} steps; held_out_loss: "
+        "loss_measured_on": "nothing: the smoke profile trains no step"
+        if abstract
+        else f"training batches, mean of the last {tail} steps; held_out_loss: "
         f"{config.held_out_windows} windows from each file's last 10 %",
         "variants": results,
     }

@@ -29,6 +29,7 @@ from benchmarks import (
     compile_time,
     eager,
     gpu_bandwidth,
+    gpu_lowbit,
     many_leaves,
     memory,
     memory_ladder,
@@ -66,6 +67,7 @@ CASES: dict[str, tuple[str, Callable[..., list[Row]]]] = {
         "12. Memory ladder: bf16, f32 masters, 8- and 4-bit state, char transformer (B/param), own process",
         memory_ladder.run,
     ),
+    "gpu_lowbit": ("13. GPU: low-bit adam update bandwidth (GB/s of its lower bound)", gpu_lowbit.run),
 }
 
 
