@@ -133,7 +133,7 @@ class Config:
 
 
 CONFIGS = {
-    "full": Config(256, 4, 1024, 4, 64, 8, 300, 2e-3, 10, 128),
+    "full": Config(256, 4, 1024, 4, 64, 8, 200, 2e-3, 10, 128),
     "quick": Config(128, 2, 512, 4, 64, 16, 150, 3e-3, 5, 64),
     # smoke: no steps (a low-bit step takes XLA 10-20 s to compile on a busy 2-core CPU): the bytes of
     # a fresh state from its shapes and the shardings init_sharded would give it; the smallest leaves
@@ -327,7 +327,7 @@ def _child(profile_name: str) -> dict[str, Any]:
         "loss_measured_on": "nothing: the smoke profile trains no step"
         if abstract
         else f"training batches, mean of the last {tail} steps; held_out_loss: "
-        f"{config.held_out_windows} windows from each file's last 10 %",
+        f"{config.held_out_windows} windows spread evenly over the held-out text (each file's last 10 %)",
         "variants": results,
     }
 
