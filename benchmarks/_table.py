@@ -24,6 +24,12 @@ NOTES: dict[str, Sequence[tuple[str, str]]] = {
         ("max_abs_diff_to_optax", "|params - optax| {:.1e}"),
     ),
     "gpu_bandwidth": (("median_ms", "{:.2f} ms/step"), ("device", "{}")),
+    "gpu_lowbit": (
+        ("median_ms", "{:.2f} ms/step"),
+        ("time_vs_float32", "x float32 moments {:.3f}"),
+        ("lower_bound_bytes", "{:,.0f} bytes moved at least"),
+        ("device", "{}"),
+    ),
     "many_leaves": (("peak_mib", "peak RSS {:,.0f} MiB"), ("init_s", "init {:.2f} s"), ("error", "{}")),
     "nnx_loop": (
         ("vs_nnx_optimizer", "x nnx.Optimizer {:.3f}"),
@@ -48,6 +54,17 @@ NOTES: dict[str, Sequence[tuple[str, str]]] = {
         ("moved", "moved {:.1%}"),
         ("error", "{}"),
     ),
+    "memory_ladder": (
+        ("optimizer_bytes_per_param", "optimizer {:.3f} B/param"),
+        ("zero_bytes_per_param_device0", "ZeRO-1 {:.3f} B/param/device"),
+        ("final_loss", "loss {:.4f}"),
+        ("loss_vs_float32", "x float32 loss {:.4f}"),
+        ("held_out_loss", "held-out {:.4f}"),
+        ("time_vs_float32", "x float32 time {:.3f}"),
+        ("goal", "{}"),
+        ("zero_error", "ZeRO-1: {}"),
+        ("error", "{}"),
+    ),
 }
 
 
@@ -58,6 +75,8 @@ def _value(row: Row) -> str:
         return f"{row.value:.3f} {row.unit}" if row.value < 10 else f"{row.value:.1f} {row.unit}"
     if row.unit == "MiB":
         return f"{row.value:.2f} MiB"
+    if row.unit == "B/param":
+        return f"{row.value:.3f} B/param"
     if row.unit == "traces":
         return f"{row.value:.0f}"
     return f"{row.value:.1f} {row.unit}"

@@ -29,8 +29,10 @@ from benchmarks import (
     compile_time,
     eager,
     gpu_bandwidth,
+    gpu_lowbit,
     many_leaves,
     memory,
+    memory_ladder,
     mixed_precision,
     nnx_loop,
     optimizer_only,
@@ -61,6 +63,11 @@ CASES: dict[str, tuple[str, Callable[..., list[Row]]]] = {
         "11. Mixed precision: bf16 + f32 masters, ZeRO-1, 8 virtual CPU devices (ms per step), own process",
         mixed_precision.run,
     ),
+    "memory_ladder": (
+        "12. Memory ladder: bf16, f32 masters, 8- and 4-bit state, char transformer (B/param), own process",
+        memory_ladder.run,
+    ),
+    "gpu_lowbit": ("13. GPU: low-bit adam update bandwidth (GB/s of its lower bound)", gpu_lowbit.run),
 }
 
 

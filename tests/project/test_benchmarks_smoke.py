@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import _common, gpu_bandwidth, run, train_step
+from benchmarks import _common, gpu_bandwidth, gpu_lowbit, memory_ladder, run, train_step
 
 CASE_VARIANTS = {
     "train_step": {"optax", "treeopt", "TrainState", "nnx split/merge", "nnx.jit"},
@@ -122,12 +122,47 @@ def check_mixed_precision_bytes_follow_the_arithmetic(results: dict) -> None:
     assert float32["final_loss"] == pytest.approx(optax_["final_loss"], rel=1e-6)
 
 
+def check_memory_ladder_bytes_follow_the_arithmetic(results: dict) -> None:
+    by_variant = {r["variant"]: r for r in rows(results, "memory_ladder")}
+    assert set(by_variant) == set(memory_ladder.variants())
+    f32 = by_variant["float32 AdamW"]
+    counts = f32["optimizer_bytes"] - 8 * f32["n_params"]  # adamw's int32 counts and treeopt's step
+    assert 0 < counts <= 16, f32
+    for r in by_variant.values():
+        assert "error" not in r and "zero_error" not in r, r
+        n = r["n_params"]
+        assert r["value"] == r["bytes_per_param"] == (r["params_bytes"] + r["optimizer_bytes"]) / n
+        assert r["params_bytes"] == (2 if r["variant"].startswith("bf16") else 4) * n, r
+        assert "final_loss" not in r  # smoke trains nothing: the bytes of a fresh state
+        # ZeRO-1: the params replicated, the optimizer split as far as its leaves' shardings go.
+        assert r["zero_params_bytes_device0"] == r["params_bytes"]
+        assert r["zero_optimizer_bytes_device0"] <= r["optimizer_bytes"]
+        bits = memory_ladder.variants()[r["variant"]][2]
+        if bits is None:
+            assert r["lowbit_bytes"] == 0
+            # Every full-precision leaf splits 8 ways but the int32 step counts.
+            assert r["zero_optimizer_bytes_device0"] == (r["optimizer_bytes"] - counts) / 8 + counts, r
+        else:
+            # Per param, Adam's two moments as codes (1 or 1/2 byte) and a float32 scale per block.
+            per_param = 2 * r["lowbit_bytes_per_element"]
+            assert per_param <= {8: 2.1, 4: 1.1}[bits], r
+            assert r["lowbit_elements"] > 0.9 * 2 * n  # all but the small leaves
+    masters = by_variant["bf16 + f32 master"]
+    # Masters add 4 bytes per param, and the moments they train are the same.
+    assert masters["master_bytes"] == 4 * masters["n_params"]
+    assert masters["optimizer_bytes"] - f32["optimizer_bytes"] == 4 * f32["n_params"]
+    low, f32_low = by_variant["bf16 + master + 8-bit"], by_variant["float32 + 8-bit"]
+    assert low["optimizer_bytes"] - f32_low["optimizer_bytes"] == 4 * f32["n_params"]
+    assert by_variant["bf16 + master + 4-bit"]["optimizer_bytes"] < low["optimizer_bytes"]
+
+
 def check_gpu_case_skips_cleanly_without_a_gpu(results: dict) -> None:
-    (row,) = rows(results, "gpu_bandwidth")
-    if row["variant"].startswith("no GPU"):
-        assert row["value"] is None
-    else:
-        assert row["value"] > 0
+    for case in ("gpu_bandwidth", "gpu_lowbit"):
+        first, *_ = rows(results, case)
+        if first["variant"].startswith("no GPU"):
+            assert first["value"] is None
+        else:
+            assert first["value"] > 0
 
 
 def test_smoke_run_measures_every_case(tmp_path: Path) -> None:
@@ -145,6 +180,7 @@ def test_smoke_run_measures_every_case(tmp_path: Path) -> None:
     check_nnx_loop_variants_train_the_same_numbers(saved)
     check_zero_splits_the_state_eight_ways(saved)
     check_mixed_precision_bytes_follow_the_arithmetic(saved)
+    check_memory_ladder_bytes_follow_the_arithmetic(saved)
 
 
 def test_gpu_case_code_path_runs_on_any_backend() -> None:
@@ -158,6 +194,19 @@ def test_gpu_case_code_path_runs_on_any_backend() -> None:
     for r in measured:
         assert r.value is not None and r.value > 0
         assert r.extra["lower_bound_bytes"] == gpu_bandwidth.BYTES_PER_PARAM * r.extra["n_params"]
+
+
+def test_gpu_lowbit_case_code_path_runs_on_any_backend() -> None:
+    # One low-bit variant: each compiles for seconds on a CPU, and the loop is the same for all.
+    measured = gpu_lowbit.run(_common.SMOKE, log=lambda _: None, force=True, variants=["4-bit moments"])
+    assert [r.variant for r in measured] == ["4-bit moments"]
+    for r in measured:
+        assert r.value is not None and r.value > 0
+        bits = r.extra["state_bits"]
+        assert (
+            r.extra["lower_bound_bytes"] == gpu_lowbit.lower_bound_bytes_per_param(bits) * r.extra["n_params"]
+        )
+    assert [gpu_lowbit.lower_bound_bytes_per_param(b) for b in (None, 8, 4)] == [28, 16.0625, 14.0625]
 
 
 def test_markdown_table_has_one_line_per_row() -> None:

@@ -53,6 +53,7 @@ RUNNABLE_PAGES = [
     "serialization.md",
     "resume.md",
     "mixed-precision.md",
+    "low-bit-state.md",
     "t5x.md",
     "migration/from-flax-optim.md",
     "migration/from-treex.md",

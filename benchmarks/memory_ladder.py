@@ -1,0 +1,477 @@
+"""Case 12: the memory ladder, what each rung of precision costs and saves when training a small model.
+
+A decoder-only transformer (the one of case 11: pre-norm blocks of causal
+attention and a GELU MLP, plain JAX, float32 arithmetic for every variant) is
+trained character by character on the Python standard library's own source,
+which ships with every Python: the files of :data:`STDLIB_MODULES`, read with
+``inspect.getsourcefile``; the vocabulary is the bytes present in them. Each
+file's last 10 % is held out. Every variant starts from the same float32
+init (rounded to its param dtype), runs the same AdamW (warm-up and cosine
+decay) and sees the same batches:
+
+- ``float32 AdamW``: ``treeopt.Optimizer(tx)`` on float32 params, the
+  baseline (the same numbers as raw optax);
+- ``bf16 + f32 master``: bfloat16 params, ``master_dtype=jnp.float32``;
+- ``bf16 + master + 8-bit`` and ``bf16 + master + 4-bit``: the same with
+  ``state_bits=8`` or ``4`` (the moments as block-wise codes);
+- ``float32 + 8-bit``: float32 params, ``state_bits=8``;
+- :data:`ROUNDING_VARIANTS`, bfloat16 params without masters, stepped with
+  ``param_rounding=``: measured automatically once ``treeopt.Optimizer``
+  takes that argument.
+
+Figures per variant:
+
+- **bytes per param** of everything the optimizer holds (every array leaf of
+  the trained ``treeopt.Optimizer``: masters, moments or their codes and
+  scales, step counts) and of params plus optimizer, on one device;
+- **bytes per param on device 0 under ZeRO-1**: params replicated over a
+  ``data`` mesh of 8 virtual CPU devices, the optimizer made by
+  ``treeopt.partitioning.init_sharded(..., shard_state_over="data")``, the
+  arrays' addressable shards on device 0 summed: whatever the sharding of
+  each leaf gives;
+- **final loss**: the mean training loss over the last 10 % of steps (the
+  same batches for every variant), and the loss on held-out windows after
+  training; as ratios to float32 AdamW's;
+- **step time**: the median of every step after the first
+  :attr:`Config.timing_warmup`, as a ratio to float32 AdamW. The variants
+  train in lockstep (one step of each in a shuffled order, then the next
+  batch), so load from other processes hits them alike. One device; CPU-only
+  and indicative.
+
+Goals: 8-bit within 1 % and 4-bit within 3 % of float32's final loss; step
+time at most 1.3x float32's on CPU.
+
+With the full and quick profiles, the case draws the loss curves and the
+bytes per param (:data:`FIGURES`, under ``docs/img/``). Runs in a fresh
+process with 8 virtual CPU devices. Run alone:
+``python -m benchmarks.memory_ladder [smoke|quick|full]``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import math
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from benchmarks._common import ROOT, Profile, Row, run_child
+from benchmarks.mixed_precision import SMOKE_XLA_FLAGS, Model, transformer_loss, transformer_params
+
+CASE = "memory_ladder"
+DEVICES = 8
+BASELINE = "float32 AdamW"
+LOSS_GOALS = {8: 1.01, 4: 1.03}  # final loss over float32's, by state_bits
+TIME_GOAL = 1.3  # step time over float32's, on CPU
+FIGURES = {
+    "loss": ROOT / "docs/img/memory-ladder-loss.png",
+    "bytes": ROOT / "docs/img/memory-ladder-bytes.png",
+}
+# The corpus: standard-library modules whose source ships with every Python.
+STDLIB_MODULES = (
+    "textwrap",
+    "argparse",
+    "collections",
+    "typing",
+    "dataclasses",
+    "functools",
+    "enum",
+    "inspect",
+)
+
+# variant: (param dtype, master_dtype, state_bits, param_rounding)
+VARIANTS: dict[str, tuple[str, str | None, int | None, str | None]] = {
+    BASELINE: ("float32", None, None, None),
+    "bf16 + f32 master": ("bfloat16", "float32", None, None),
+    "bf16 + master + 8-bit": ("bfloat16", "float32", 8, None),
+    "bf16 + master + 4-bit": ("bfloat16", "float32", 4, None),
+    "float32 + 8-bit": ("float32", None, 8, None),
+}
+# TO BE ADDED once treeopt.Optimizer takes param_rounding= (bfloat16 params without masters):
+# measured automatically as soon as the argument exists (see variants()).
+ROUNDING_VARIANTS: dict[str, tuple[str, str | None, int | None, str | None]] = {
+    "bf16 + kahan": ("bfloat16", None, None, "kahan"),
+    "bf16 + stochastic": ("bfloat16", None, None, "stochastic"),
+    "bf16 + kahan + 8-bit": ("bfloat16", None, 8, "kahan"),
+}
+
+
+def has_param_rounding() -> bool:
+    import treeopt
+
+    return "param_rounding" in inspect.signature(treeopt.Optimizer).parameters
+
+
+def variants() -> dict[str, tuple[str, str | None, int | None, str | None]]:
+    """The variants this checkout can run: the rounding ones only where ``param_rounding=`` exists."""
+    return {**VARIANTS, **(ROUNDING_VARIANTS if has_param_rounding() else {})}
+
+
+@dataclass(frozen=True)
+class Config:
+    """One profile's sizes: the model (its vocab comes from the text), the batches, the schedule."""
+
+    d_model: int
+    n_layers: int
+    d_ff: int
+    heads: int
+    seq_len: int
+    batch: int
+    steps: int
+    peak_lr: float
+    timing_warmup: int  # steps left out of the step time (the first compiles)
+    held_out_windows: int
+
+    def model(self, vocab: int) -> Model:
+        return Model(vocab, self.d_model, self.n_layers, self.d_ff, self.seq_len, self.batch, self.heads)
+
+
+CONFIGS = {
+    "full": Config(256, 4, 1024, 4, 64, 8, 200, 2e-3, 10, 128),
+    "quick": Config(128, 2, 512, 4, 64, 16, 150, 3e-3, 5, 64),
+    # smoke: no steps (a low-bit step takes XLA 10-20 s to compile on a busy 2-core CPU): the bytes of
+    # a fresh state from its shapes and the shardings init_sharded would give it; the smallest leaves
+    # that are still quantized (4,096 elements), with blocks of 128 or more.
+    "smoke": Config(128, 1, 256, 2, 16, 2, 0, 1e-3, 0, 2),
+}
+
+
+def corpus() -> tuple[dict[str, int], Any, Any]:
+    """``({file: characters}, train bytes, held-out bytes)``: each file's last 10 % held out."""
+    import importlib
+    import sysconfig
+
+    import numpy as np
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"]).resolve()
+    files, train, held = {}, [], []
+    for name in STDLIB_MODULES:
+        path = Path(inspect.getsourcefile(importlib.import_module(name)) or "").resolve()
+        text = path.read_text(encoding="utf-8")
+        files[path.relative_to(stdlib).as_posix()] = len(text)
+        data = np.frombuffer(text.encode("utf-8"), np.uint8)
+        cut = int(len(data) * 0.9)
+        train.append(data[:cut])
+        held.append(data[cut:])
+    return files, np.concatenate(train), np.concatenate(held)
+
+
+def windows(data: Any, starts: Any, length: int) -> Any:
+    import numpy as np
+
+    return data[np.asarray(starts)[..., None] + np.arange(length)]
+
+
+def _child(profile_name: str) -> dict[str, Any]:
+    """Runs in the fresh 8-device process: bytes under ZeRO-1, then every variant trained in lockstep."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import treeopt
+    from treeopt._state.lowbit import is_quantized
+    from treeopt.partitioning import init_sharded, optimizer_shardings
+
+    config = CONFIGS[profile_name]
+    abstract = config.steps == 0
+    t0 = time.perf_counter()
+
+    def log(message: str) -> None:  # progress, to stderr: the parent reads the figures from stdout
+        print(f"[{CASE}] {time.perf_counter() - t0:6.1f} s  {message}", file=sys.stderr, flush=True)
+
+    files, train_bytes, held_bytes = corpus()
+    alphabet = np.unique(np.concatenate([train_bytes, held_bytes]))
+    lookup = np.zeros(256, np.int32)
+    lookup[alphabet] = np.arange(len(alphabet), dtype=np.int32)
+    train_tokens, held_tokens = lookup[train_bytes], lookup[held_bytes]
+    model = config.model(len(alphabet))
+    rng = np.random.default_rng(0)
+    starts = rng.integers(0, len(train_tokens) - model.seq_len, (config.steps, model.batch))
+    batches = windows(train_tokens, starts, model.seq_len)
+    held_starts = np.linspace(0, len(held_tokens) - model.seq_len, config.held_out_windows).astype(int)
+    held_out = windows(held_tokens, held_starts, model.seq_len)
+    params32 = transformer_params(model, seed=0)
+    n_params = sum(int(x.size) for x in jax.tree.leaves(params32))
+    loss_fn = transformer_loss(model, period=1)  # every next character counts
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, config.peak_lr, max(1, config.steps // 10), max(2, config.steps), end_value=config.peak_lr / 10
+    )
+    tx = optax.adamw(schedule, b2=0.99, weight_decay=0.01)
+    ladder = variants()
+    log(
+        f"{n_params:,} params, vocab {model.vocab}, {sum(files.values()):,} characters, {len(ladder)} variants"
+    )
+
+    def optimizer(variant: str) -> Any:
+        _, master_dtype, bits, rounding = ladder[variant]
+        options: dict[str, Any] = {"master_dtype": master_dtype, "state_bits": bits}
+        if rounding is not None:
+            options["param_rounding"] = rounding
+        return treeopt.Optimizer(tx, **options)
+
+    def cast(variant: str) -> Any:
+        dtype = jnp.dtype(ladder[variant][0])
+        return jax.tree.map(lambda x: jnp.asarray(np.asarray(x).astype(dtype)), params32)
+
+    def nbytes(tree: Any) -> int:  # arrays or their shapes (the smoke profile measures no arrays)
+        return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+    results: dict[str, dict[str, Any]] = {v: {"n_params": n_params} for v in ladder}
+
+    # 1. ZeRO-1: bytes on device 0 of params (replicated) and the optimizer, as init_sharded lays them out.
+    mesh = Mesh(np.array(jax.devices()[:DEVICES]), ("data",))
+    replicated = NamedSharding(mesh, P())
+    device = jax.devices()[0]
+
+    def device0_bytes(tree: Any, shardings: Any = None) -> int:
+        if shardings is not None:  # shapes: the shard that device 0 would hold
+            pairs = zip(jax.tree.leaves(tree), jax.tree.leaves(shardings), strict=True)
+            return sum(math.prod(s.shard_shape(x.shape)) * jnp.dtype(x.dtype).itemsize for x, s in pairs)
+        leaves = jax.tree.leaves(tree)
+        return sum(s.data.nbytes for x in leaves for s in x.addressable_shards if s.device == device)
+
+    for variant in ladder:
+        params = jax.device_put(cast(variant), replicated)
+        specs = jax.tree.map(lambda _: P(), params)
+        figures = results[variant]
+        try:
+            if abstract:  # the layout init_sharded would create, without compiling it
+                shape = jax.eval_shape(optimizer(variant).init, params)
+                shardings = optimizer_shardings(shape, specs, mesh, shard_state_over="data")
+                opt_bytes = device0_bytes(shape, shardings)
+            else:
+                opt = init_sharded(optimizer(variant), params, mesh, specs, shard_state_over="data")
+                opt_bytes = device0_bytes(opt)
+                del opt
+        except Exception as e:  # recorded, not hidden: the table shows what the sharding gave
+            figures["zero_error"] = f"{type(e).__name__}: {e}"[:200]
+            continue
+        figures["zero_params_bytes_device0"] = device0_bytes(params)
+        figures["zero_optimizer_bytes_device0"] = opt_bytes
+        figures["zero_bytes_per_param_device0"] = (
+            figures["zero_params_bytes_device0"] + opt_bytes
+        ) / n_params
+        del params
+    log("ZeRO-1 bytes measured")
+
+    # 2. Training, every variant in lockstep on device 0 (the smoke profile: the shapes of a fresh state).
+    def step(params: Any, opt: Any, tokens: Any) -> Any:
+        loss, grads = jax.value_and_grad(loss_fn)(params, tokens)
+        return opt.update(grads, params), opt, loss
+
+    jitted = jax.jit(step, donate_argnums=(0, 1))
+    states = {}
+    for variant in ladder:
+        params = jax.device_put(cast(variant), device)
+        init = optimizer(variant).init
+        # Jitted: eager, the codec would dispatch op by op.
+        states[variant] = params, jax.eval_shape(init, params) if abstract else jax.jit(init)(params)
+    losses: dict[str, list[float]] = {v: [] for v in ladder}
+    times: dict[str, list[float]] = {v: [] for v in ladder}
+    order = list(ladder)
+    shuffle = random.Random(0)
+    for i, batch in enumerate(batches):
+        tokens = jax.device_put(batch, device)
+        shuffle.shuffle(order)
+        for variant in order:
+            params, opt = states[variant]
+            start = time.perf_counter()
+            params, opt, loss = jitted(params, opt, tokens)
+            loss = float(loss)  # waits for the step
+            times[variant].append(time.perf_counter() - start)
+            losses[variant].append(loss)
+            states[variant] = params, opt
+        if i == 0 or (i + 1) % max(1, config.steps // 10) == 0:
+            log(f"step {i + 1}: " + ", ".join(f"{v} {losses[v][-1]:.3f}" for v in ladder))
+
+    eval_loss = jax.jit(lambda params: loss_fn(params, jnp.asarray(held_out)))
+    tail = max(1, config.steps // 10)
+    for variant in ladder:
+        params, opt = states[variant]
+        quantized = [q for q in jax.tree.leaves(opt.opt_state, is_leaf=is_quantized) if is_quantized(q)]
+        figures = results[variant]
+        figures.update(
+            params_bytes=nbytes(params),
+            optimizer_bytes=nbytes(opt),
+            master_bytes=nbytes(opt.master),
+            lowbit_bytes=sum(nbytes(q) for q in quantized),
+            lowbit_elements=sum(math.prod(q.shape) for q in quantized),
+        )
+        figures["optimizer_bytes_per_param"] = figures["optimizer_bytes"] / n_params
+        figures["bytes_per_param"] = (figures["params_bytes"] + figures["optimizer_bytes"]) / n_params
+        if figures["lowbit_elements"]:
+            # Per element of a quantized leaf: Adam holds two such leaves a param.
+            figures["lowbit_bytes_per_element"] = figures["lowbit_bytes"] / figures["lowbit_elements"]
+        if not abstract:
+            figures.update(
+                losses=losses[variant],
+                final_loss=statistics.fmean(losses[variant][-tail:]),
+                held_out_loss=float(eval_loss(jax.tree.map(lambda x: x.astype(jnp.float32), params))),
+                median_ms=statistics.median(times[variant][config.timing_warmup :]) * 1e3,
+            )
+    log("trained and measured")
+    return {
+        "config": asdict(config),
+        "model": asdict(model),
+        "n_params": n_params,
+        "corpus": {"files": files, "characters": sum(files.values()), "python": sys.version.split()[0]},
+        "loss_measured_on": "nothing: the smoke profile trains no step"
+        if abstract
+        else f"training batches, mean of the last {tail} steps; held_out_loss: "
+        f"{config.held_out_windows} windows spread evenly over the held-out text (each file's last 10 %)",
+        "variants": results,
+    }
+
+
+def measure(profile_name: str, timeout_s: float = 3600) -> dict[str, Any]:
+    """The whole case in a fresh Python process with 8 virtual CPU devices; ``error`` if it failed."""
+    flags = SMOKE_XLA_FLAGS if profile_name == "smoke" else ()
+    return run_child(
+        "benchmarks.memory_ladder", [profile_name], devices=DEVICES, xla_flags=flags, timeout_s=timeout_s
+    )
+
+
+def _goal(variant: str, loss_ratio: float | None, time_ratio: float | None) -> str | None:
+    bits = variants()[variant][2]
+    parts = []
+    if bits in LOSS_GOALS and loss_ratio is not None:
+        goal = LOSS_GOALS[bits]
+        parts.append(f"loss <= {goal:.2f}x: {'met' if loss_ratio <= goal else 'missed'}")
+    if variant != BASELINE and time_ratio is not None:
+        parts.append(f"time <= {TIME_GOAL}x: {'met' if time_ratio <= TIME_GOAL else 'missed'}")
+    return "; ".join(parts) or None
+
+
+def run(profile: Profile, log: Callable[[str], None] = print, figures: bool | None = None) -> list[Row]:
+    """Rows of params + optimizer bytes per param; ``figures`` (default: not in smoke) draws the PNGs."""
+    config = CONFIGS[profile.name]
+    label = (
+        f"adamw, transformer {config.n_layers} x {config.d_model}, {config.batch} x {config.seq_len} chars, "
+        f"{config.steps} steps"
+    )
+    log(f"[{CASE}] {label}: {len(variants())} variants, ZeRO-1 bytes on {DEVICES} devices, own process")
+    measured = measure(profile.name)
+    if "variants" not in measured:
+        return [Row(CASE, label, v, None, "B/param", extra={"error": measured["error"]}) for v in variants()]
+    base = measured["variants"][BASELINE]
+    shared = {k: measured[k] for k in ("corpus", "loss_measured_on", "model")}
+    rows = []
+    for variant, measures in measured["variants"].items():
+        extra = dict(measures)
+        if "final_loss" in measures:
+            extra["loss_vs_float32"] = measures["final_loss"] / base["final_loss"]
+            extra["held_out_vs_float32"] = measures["held_out_loss"] / base["held_out_loss"]
+            extra["time_vs_float32"] = measures["median_ms"] / base["median_ms"]
+            extra["goal"] = _goal(variant, extra["loss_vs_float32"], extra["time_vs_float32"])
+        extra.update(shared)
+        rows.append(Row(CASE, label, variant, measures["bytes_per_param"], "B/param", extra=extra))
+    if figures if figures is not None else profile.name != "smoke":
+        try:
+            draw(rows, log)
+        except Exception as e:  # the measured rows are worth more than their pictures
+            log(f"[{CASE}] figures not drawn: {type(e).__name__}: {e}")
+    return rows
+
+
+def ladder_table(rows: Sequence[Row | dict[str, Any]]) -> str:
+    """The case's own markdown table: bytes per param, ZeRO-1 bytes per device, loss and time ratios."""
+    lines = [
+        "| variant | optimizer B/param | params + optimizer B/param | ZeRO-1 B/param/device (8) "
+        "| final loss | x float32 loss | held-out loss | x float32 step time |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        r = row if isinstance(row, dict) else {"variant": row.variant, **row.extra}
+        if "bytes_per_param" not in r:
+            lines.append(f"| {r['variant']} | {r.get('error', '-')} | | | | | | |")
+            continue
+        zero = r.get("zero_bytes_per_param_device0")
+        zero_cell = f"{zero:.3f}" if zero is not None else r.get("zero_error", "-")
+        trained = (
+            f"{r['final_loss']:.4f} | {r['loss_vs_float32']:.4f} | {r['held_out_loss']:.4f} | {r['time_vs_float32']:.3f}"
+            if "final_loss" in r
+            else "- | - | - | -"
+        )
+        lines.append(
+            f"| {r['variant']} | {r['optimizer_bytes_per_param']:.3f} | {r['bytes_per_param']:.3f} | {zero_cell} "
+            f"| {trained} |"
+        )
+    return "\n".join(lines)
+
+
+def draw(rows: Sequence[Row], log: Callable[[str], None] = print) -> None:
+    """The loss curves of every variant on one plot, and the bytes per param as bars: PNGs under docs/img/."""
+    try:
+        import matplotlib
+    except ImportError:
+        log(f"[{CASE}] no matplotlib (pip install -e '.[benchmarks]'): figures not drawn")
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    FIGURES["loss"].parent.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=120)
+    for row in rows:
+        losses = np.asarray(row.extra["losses"])
+        width = max(1, len(losses) // 30)
+        smooth = np.convolve(losses, np.ones(width) / width, mode="valid")
+        ax.plot(np.arange(len(smooth)) + width, smooth, label=row.variant, linewidth=1.2)
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss (nats per character, running mean)")
+    ax.set_title(f"Memory ladder: {rows[0].config}", fontsize=9)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(FIGURES["loss"])
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=120)
+    names = [r.variant for r in rows]
+    x = np.arange(len(rows))
+    n = np.asarray([r.extra["n_params"] for r in rows], float)
+    params = np.asarray([r.extra["params_bytes"] for r in rows]) / n
+    masters = np.asarray([r.extra["master_bytes"] for r in rows]) / n
+    state = np.asarray([r.extra["optimizer_bytes"] - r.extra["master_bytes"] for r in rows]) / n
+    zero = np.asarray([r.extra.get("zero_bytes_per_param_device0", np.nan) for r in rows])
+    ax.bar(x - 0.2, params, 0.4, label="params")
+    ax.bar(x - 0.2, masters, 0.4, bottom=params, label="master weights")
+    ax.bar(x - 0.2, state, 0.4, bottom=params + masters, label="moments (codes + scales) and counts")
+    ax.bar(x + 0.2, zero, 0.4, label=f"all of it, per device, ZeRO-1 over {DEVICES}", color="0.6")
+    for xi, total in zip(x, params + masters + state, strict=True):
+        ax.text(xi - 0.2, total, f"{total:.2f}", ha="center", va="bottom", fontsize=8)
+    for xi, z in zip(x, zero, strict=True):
+        if np.isfinite(z):
+            ax.text(xi + 0.2, z, f"{z:.2f}", ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(x, names, fontsize=8, rotation=15)
+    ax.set_ylabel("bytes per parameter")
+    ax.set_title("Memory ladder: params + optimizer, bytes per parameter", fontsize=9)
+    ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(FIGURES["bytes"])
+    plt.close(fig)
+    log(f"[{CASE}] figures: {FIGURES['loss'].relative_to(ROOT)}, {FIGURES['bytes'].relative_to(ROOT)}")
+
+
+def main(argv: Sequence[str]) -> None:
+    if argv and argv[0] == "--child":
+        print(json.dumps(_child(argv[1])))
+        return
+    from benchmarks._common import FULL, QUICK, SMOKE
+
+    profile = {"full": FULL, "quick": QUICK, "smoke": SMOKE}[argv[0] if argv else "full"]
+    print(ladder_table(run(profile, log=lambda m: print(m, file=sys.stderr))))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
