@@ -141,7 +141,9 @@ def test_jit_traces_and_matches_eager_bit_for_bit(bits):
 @pytest.mark.parametrize("shape", [(1,), (7,), (3, 1), (2, 5), (4, 257), (2, 513), (3, 1001)])
 def test_4bit_packing_round_trips_odd_last_dims(shape):
     # Every element a level of the signed map, one block's max at 1: decoding is exact.
-    levels = np.array([-1.0, -0.775, -0.55, -0.325, -0.1, -0.055, -0.01, 0.0, 0.01, 0.055, 0.1, 0.325, 0.55, 0.775, 1.0])
+    levels = np.array(
+        [-1.0, -0.775, -0.55, -0.325, -0.1, -0.055, -0.01, 0.0, 0.01, 0.055, 0.1, 0.325, 0.55, 0.775, 1.0]
+    )
     rng = np.random.default_rng(3)
     x = levels[rng.integers(0, len(levels), shape)].astype(np.float32)
     x[..., :: block_size(shape[-1], 4)] = -1.0
@@ -243,3 +245,23 @@ def test_an_adam_like_loop_on_8bit_state_stays_close_to_float32():
         full, low, error = step(full, low, key, t)
         errors.append(float(error))
     assert max(errors[-50:]) < 0.1, errors[-50:]
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("unsigned", [False, True])
+def test_the_codes_are_the_nearest_levels_found_by_brute_force(bits, unsigned):
+    from treeopt._state.lowbit import _levels, _nearest_codes
+
+    k1, k2 = jax.random.split(jax.random.key(bits + 2 * unsigned))
+    uniform = jax.random.uniform(k1, (20_000,), minval=-1.0, maxval=1.0)
+    spread = jnp.exp(jax.random.uniform(k2, (20_000,), minval=-25.0, maxval=0.0)) * jnp.sign(uniform)
+    edges = jnp.asarray([0.0, 1.0, -1.0, 1e-9, 1e-8, 1e-7, 1e-6, 1e-2, 0.1, -0.1, 0.55, 0.5 * (1e-6 + 1e-7)])
+    y = jnp.concatenate([uniform, spread, edges])
+    if unsigned:
+        y = jnp.abs(y)
+    n = 2**bits
+    levels = jnp.asarray(_levels(bits))[n:] if unsigned else jnp.asarray(_levels(bits))[:n]
+    codes = _nearest_codes(y, jnp.full(y.shape, unsigned), bits).astype(jnp.int32)
+    best = jnp.min(jnp.abs(levels[None, :] - y[:, None]), axis=1)
+    # The level chosen is a nearest one (ties may go either way).
+    np.testing.assert_array_equal(jnp.abs(levels[codes] - y), best)

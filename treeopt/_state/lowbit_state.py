@@ -167,9 +167,13 @@ def quantized_state(opt_state: Any, layout: ParamLayout, rules: StateBits) -> An
             and int(np.prod(leaf.shape)) >= MIN_ELEMENTS
             and not any(path[: len(prefix)] == prefix for prefix in kept)
         ):
-            leaf = quantize(leaf, bits[name])
+            leaf = _quantize(leaf, bits[name])
         leaves.append(leaf)
     return treedef.unflatten(leaves)
+
+
+# An eager init would run the codec op by op: compiled once per shape, it is one dispatch a leaf.
+_quantize = jax.jit(quantize, static_argnums=1)
 
 
 def _floating(leaf: Any) -> bool:
