@@ -176,7 +176,8 @@ def flat_step(
 
     if is_tracer(step):
         return _traced(inputs(), dict(extra_args or {}))
-    flat_grads, flat_params = _strong_tree(flat_grads), _strong_tree(flat_params)
+    # The step count too: the saturating increment returns it strongly typed, and one program serves both.
+    step, flat_grads, flat_params = strong(jnp.asarray(step)), _strong_tree(flat_grads), _strong_tree(flat_params)
     with_extra = inputs(extra_args)
     if with_extra.hashable():
         return _compiled(with_extra)

@@ -143,9 +143,16 @@ def test_name_collision_at_init():
         treeopt.Optimizer(optax.sgd(0.1)).init(params)
 
 
-def test_wrt_selecting_a_non_array():
-    with pytest.raises(TypeError, match="wrt selected parameter 'n'"):
-        treeopt.Optimizer(optax.sgd(0.1), wrt=lambda name, leaf: True).init({"n": 3})
+def test_a_wrt_predicate_is_asked_about_arrays_only_and_a_tree_of_none_trains_nothing():
+    asked = []
+
+    def everything(name, leaf):
+        asked.append(name)
+        return True
+
+    with pytest.raises(ValueError, match="selects no leaf"):
+        treeopt.Optimizer(optax.sgd(0.1), wrt=everything).init({"n": 3})
+    assert asked == []
 
 
 def test_lookahead_optimizer_needs_lookahead_params():

@@ -52,8 +52,8 @@ def moved_names(module: str) -> Callable[[str], Any]:
         >>> getattr_ = moved_names("treeopt.optimizer")
         >>> with warnings.catch_warnings(record=True) as caught:
         ...     warnings.simplefilter("always")
-        ...     getattr_("FlatStep").__module__
-        'treeopt.step'
+        ...     getattr_("FlatStep") is __import__("treeopt.step").step.FlatStep
+        True
         >>> str(caught[0].message)
         'treeopt.optimizer.FlatStep moved: import it from treeopt.step. The old path is removed in treeopt 0.3.0.'
     """

@@ -22,7 +22,6 @@ from typing import Any
 
 import jax
 import numpy as np
-import optax
 
 EXPECTED = "a non-negative integer"
 
@@ -79,4 +78,6 @@ def next_step(step: Any) -> jax.Array:
         >>> int(next_step(jnp.int32(4))), int(next_step(jnp.int32(2**31 - 1)))
         (5, 2147483647)
     """
-    return optax.safe_increment(jax.numpy.asarray(step))
+    count = jax.numpy.asarray(step)
+    # As optax.safe_increment, but a weakly typed count stays weak: a jitted step then traces once.
+    return jax.numpy.where(count < jax.numpy.iinfo(count.dtype).max, count + 1, count)
