@@ -223,7 +223,7 @@ def _child(profile_name: str) -> dict[str, Any]:
         return jax.tree.map(lambda x: jnp.asarray(np.asarray(x).astype(dtype)), params32)
 
     def nbytes(tree: Any) -> int:  # arrays or their shapes (the smoke profile measures no arrays)
-        return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+        return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(tree))  # key dtypes too
 
     results: dict[str, dict[str, Any]] = {v: {"n_params": n_params} for v in ladder}
 
@@ -235,7 +235,7 @@ def _child(profile_name: str) -> dict[str, Any]:
     def device0_bytes(tree: Any, shardings: Any = None) -> int:
         if shardings is not None:  # shapes: the shard that device 0 would hold
             pairs = zip(jax.tree.leaves(tree), jax.tree.leaves(shardings), strict=True)
-            return sum(math.prod(s.shard_shape(x.shape)) * jnp.dtype(x.dtype).itemsize for x, s in pairs)
+            return sum(math.prod(s.shard_shape(x.shape)) * x.dtype.itemsize for x, s in pairs)
         leaves = jax.tree.leaves(tree)
         return sum(s.data.nbytes for x in leaves for s in x.addressable_shards if s.device == device)
 
