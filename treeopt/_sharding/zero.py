@@ -304,6 +304,7 @@ def zero_plan(
     for part, tree in parts.items():
         treedefs[part], leaves = state_leaf_specs(tree, layout, param_specs)
         codes_dims: dict[tuple[Any, ...], int | None] = {}  # a low-bit leaf's codes: the dimension split
+        shapes = {leaf.path: tuple(np.shape(leaf.leaf)) for leaf in leaves}  # a codes leaf reads its scales'
         for path, leaf, param, spec in leaves:
             shape = tuple(getattr(leaf, "shape", ()))
             dtype = getattr(leaf, "dtype", None)
@@ -317,7 +318,7 @@ def zero_plan(
                     shape, spec, axes, sizes, dims=() if codes_dim is None else (codes_dim,)
                 )
             elif role == "codes":
-                scales = _sibling_scales(leaves, path)
+                scales = shapes[(*path[:-1], jax.tree_util.GetAttrKey("scales"))]
                 zero_spec, dim, reason = zero_leaf_spec(
                     shape, spec, axes, sizes, dims=_whole_block_dims(shape, scales, axes, sizes)
                 )
@@ -329,11 +330,6 @@ def zero_plan(
             where = part + jax.tree_util.keystr(path)
             out.append(ZeroLeaf(where, param, shape, dtype, spec, zero_spec, dim, reason))
     return treedefs, ZeroReport(axes, sizes, tuple(out))
-
-
-def _sibling_scales(leaves: Sequence[Any], codes_path: tuple[Any, ...]) -> Shape:
-    scales_path = (*codes_path[:-1], jax.tree_util.GetAttrKey("scales"))
-    return next(tuple(np.shape(leaf.leaf)) for leaf in leaves if leaf.path == scales_path)
 
 
 def _whole_block_dims(codes: Shape, scales: Shape, axes: Sequence[str], sizes: Mapping[str, int]) -> list[int]:
