@@ -11,6 +11,9 @@ decay) and sees the same batches:
 
 - ``float32 AdamW``: ``treeopt.Optimizer(tx)`` on float32 params, the
   baseline (the same numbers as raw optax);
+- ``plain bf16``: bfloat16 params and nothing else, every new value rounded
+  to the nearest bfloat16: the control, which shows what the other rungs keep
+  from being rounded away;
 - ``bf16 + f32 master``: bfloat16 params, ``master_dtype=jnp.float32``;
 - ``bf16 + master + 8-bit`` and ``bf16 + master + 4-bit``: the same with
   ``state_bits=8`` or ``4`` (the moments as block-wise codes);
@@ -41,14 +44,21 @@ Figures per variant:
 Goals: 8-bit within 1 % and 4-bit within 3 % of float32's final loss; step
 time at most 1.3x float32's on CPU.
 
-With the full and quick profiles, the case draws the loss curves and the
-bytes per param (:data:`FIGURES`, under ``docs/img/``). Runs in a fresh
-process with 8 virtual CPU devices. Run alone:
-``python -m benchmarks.memory_ladder [smoke|quick|full]``.
+With the full and quick profiles, the case draws each variant's loss against
+float32's and the bytes per param by part (:data:`FIGURES`, under
+``docs/img/``; :mod:`benchmarks._ladder_figures`). Runs in a fresh process with
+8 virtual CPU devices. Run alone:
+``python -m benchmarks.memory_ladder [smoke|quick|full]``. Without training:
+``python -m benchmarks.memory_ladder plot [RUN.json]`` draws both figures from
+a run's record (``benchmarks/results/latest.json`` by default), and
+``python -m benchmarks.memory_ladder bytes [quick|full]`` measures the bytes
+of a fresh state at a profile's sizes (they do not change as it trains) and
+draws the bytes figure, in seconds.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
 import math
@@ -61,6 +71,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from benchmarks import _ladder_figures
 from benchmarks._common import ROOT, Profile, Row, run_child
 from benchmarks.mixed_precision import SMOKE_XLA_FLAGS, Model, transformer_loss, transformer_params
 
@@ -73,6 +84,8 @@ FIGURES = {
     "loss": ROOT / "docs/img/memory-ladder-loss.png",
     "bytes": ROOT / "docs/img/memory-ladder-bytes.png",
 }
+RESULTS = ROOT / "benchmarks" / "results"  # where benchmarks.run writes a run's record
+SPEC_FIELDS = ("param_dtype", "master_dtype", "state_bits", "param_rounding")
 # The corpus: standard-library modules whose source ships with every Python.
 STDLIB_MODULES = (
     "textwrap",
@@ -88,6 +101,7 @@ STDLIB_MODULES = (
 # variant: (param dtype, master_dtype, state_bits, param_rounding)
 VARIANTS: dict[str, tuple[str, str | None, int | None, str | None]] = {
     BASELINE: ("float32", None, None, None),
+    "plain bf16": ("bfloat16", None, None, None),  # the control: updates rounded to nearest
     "bf16 + f32 master": ("bfloat16", "float32", None, None),
     "bf16 + master + 8-bit": ("bfloat16", "float32", 8, None),
     "bf16 + master + 4-bit": ("bfloat16", "float32", 4, None),
@@ -168,8 +182,11 @@ def windows(data: Any, starts: Any, length: int) -> Any:
     return data[np.asarray(starts)[..., None] + np.arange(length)]
 
 
-def _child(profile_name: str) -> dict[str, Any]:
-    """Runs in the fresh 8-device process: bytes under ZeRO-1, then every variant trained in lockstep."""
+def _child(profile_name: str, bytes_only: bool = False) -> dict[str, Any]:
+    """Runs in the fresh 8-device process: bytes under ZeRO-1, then every variant trained in lockstep.
+
+    ``bytes_only``: the profile's sizes, no step trained (the smoke profile's path).
+    """
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -182,6 +199,8 @@ def _child(profile_name: str) -> dict[str, Any]:
     from treeopt.partitioning import init_sharded, optimizer_shardings
 
     config = CONFIGS[profile_name]
+    if bytes_only:
+        config = dataclasses.replace(config, steps=0, timing_warmup=0)
     abstract = config.steps == 0
     t0 = time.perf_counter()
 
@@ -225,7 +244,32 @@ def _child(profile_name: str) -> dict[str, Any]:
     def nbytes(tree: Any) -> int:  # arrays or their shapes (the smoke profile measures no arrays)
         return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(tree))  # key dtypes too
 
-    results: dict[str, dict[str, Any]] = {v: {"n_params": n_params} for v in ladder}
+    results: dict[str, dict[str, Any]] = {
+        v: {
+            "n_params": n_params,
+            "spec": dict(zip(SPEC_FIELDS, ladder[v], strict=True)),
+            "zero_devices": DEVICES,
+        }
+        for v in ladder
+    }
+
+    def parts(params: Any, opt: Any) -> dict[str, int]:
+        """The bytes of each part of what a variant holds; ``other``: optimizer bytes none of them names."""
+        state = jax.tree.leaves(opt.opt_state, is_leaf=is_quantized)
+        state_counts = sum(
+            nbytes(x) for x in state if not is_quantized(x) and jnp.issubdtype(x.dtype, jnp.integer)
+        )
+        rounding = getattr(opt, "rounding", None) or {}
+        found = {
+            "params": nbytes(params),
+            "master": nbytes(opt.master),
+            "compensation": nbytes(rounding.get("compensation", {})),
+            "rounding_key": nbytes(rounding.get("key", {})),
+            "moments": nbytes(opt.opt_state) - state_counts,  # or their codes and scales
+            "counts": state_counts + nbytes(opt.step),
+        }
+        found["other"] = nbytes(opt) - sum(v for k, v in found.items() if k != "params")
+        return found
 
     # 1. ZeRO-1: bytes on device 0 of params (replicated) and the optimizer, as init_sharded lays them out.
     mesh = Mesh(np.array(jax.devices()[:DEVICES]), ("data",))
@@ -305,6 +349,7 @@ def _child(profile_name: str) -> dict[str, Any]:
             master_bytes=nbytes(opt.master),
             lowbit_bytes=sum(nbytes(q) for q in quantized),
             lowbit_elements=sum(math.prod(q.shape) for q in quantized),
+            parts_bytes=parts(params, opt),
         )
         figures["optimizer_bytes_per_param"] = figures["optimizer_bytes"] / n_params
         figures["bytes_per_param"] = (figures["params_bytes"] + figures["optimizer_bytes"]) / n_params
@@ -332,34 +377,46 @@ def _child(profile_name: str) -> dict[str, Any]:
     }
 
 
-def measure(profile_name: str, timeout_s: float = 3600) -> dict[str, Any]:
-    """The whole case in a fresh Python process with 8 virtual CPU devices; ``error`` if it failed."""
-    flags = SMOKE_XLA_FLAGS if profile_name == "smoke" else ()
-    return run_child(
-        "benchmarks.memory_ladder", [profile_name], devices=DEVICES, xla_flags=flags, timeout_s=timeout_s
-    )
+def measure(profile_name: str, timeout_s: float = 3600, bytes_only: bool = False) -> dict[str, Any]:
+    """The whole case in a fresh Python process with 8 virtual CPU devices; ``error`` if it failed.
+
+    ``bytes_only``: the bytes of a fresh state at the profile's sizes, no step trained.
+    """
+    flags = SMOKE_XLA_FLAGS if profile_name == "smoke" or bytes_only else ()
+    args = [profile_name, *(["bytes"] if bytes_only else [])]
+    return run_child("benchmarks.memory_ladder", args, devices=DEVICES, xla_flags=flags, timeout_s=timeout_s)
 
 
 def _goal(variant: str, loss_ratio: float | None, time_ratio: float | None) -> str | None:
-    bits = variants()[variant][2]
+    _, master_dtype, bits, rounding = variants()[variant]
     parts = []
     if bits in LOSS_GOALS and loss_ratio is not None:
         goal = LOSS_GOALS[bits]
         parts.append(f"loss <= {goal:.2f}x: {'met' if loss_ratio <= goal else 'missed'}")
-    if variant != BASELINE and time_ratio is not None:
+    control = variants()[variant][0] != "float32" and master_dtype is None and rounding is None
+    if variant != BASELINE and not control and time_ratio is not None:
         parts.append(f"time <= {TIME_GOAL}x: {'met' if time_ratio <= TIME_GOAL else 'missed'}")
     return "; ".join(parts) or None
 
 
-def run(profile: Profile, log: Callable[[str], None] = print, figures: bool | None = None) -> list[Row]:
-    """Rows of params + optimizer bytes per param; ``figures`` (default: not in smoke) draws the PNGs."""
+def run(
+    profile: Profile,
+    log: Callable[[str], None] = print,
+    figures: bool | None = None,
+    bytes_only: bool = False,
+) -> list[Row]:
+    """Rows of params + optimizer bytes per param; ``figures`` (default: not in smoke) draws the PNGs.
+
+    ``bytes_only``: the bytes of a fresh state at the profile's sizes, no step trained
+    (the bytes figure alone is drawn).
+    """
     config = CONFIGS[profile.name]
     label = (
         f"adamw, transformer {config.n_layers} x {config.d_model}, {config.batch} x {config.seq_len} chars, "
         f"{config.steps} steps"
     )
     log(f"[{CASE}] {label}: {len(variants())} variants, ZeRO-1 bytes on {DEVICES} devices, own process")
-    measured = measure(profile.name)
+    measured = measure(profile.name, bytes_only=bytes_only)
     if "variants" not in measured:
         return [Row(CASE, label, v, None, "B/param", extra={"error": measured["error"]}) for v in variants()]
     base = measured["variants"][BASELINE]
@@ -376,101 +433,104 @@ def run(profile: Profile, log: Callable[[str], None] = print, figures: bool | No
         rows.append(Row(CASE, label, variant, measures["bytes_per_param"], "B/param", extra=extra))
     if figures if figures is not None else profile.name != "smoke":
         try:
-            draw(rows, log)
+            draw([row.as_dict() for row in rows], log)
         except Exception as e:  # the measured rows are worth more than their pictures
             log(f"[{CASE}] figures not drawn: {type(e).__name__}: {e}")
     return rows
 
 
+def recorded(path: Path) -> list[dict[str, Any]]:
+    """The case's rows in a run's JSON record (``python -m benchmarks.run`` writes them)."""
+    record = json.loads(Path(path).read_text())
+    try:
+        return list(record["cases"][CASE]["rows"])
+    except (KeyError, TypeError):
+        raise ValueError(f"{path} holds no {CASE} case (cases: {sorted(record.get('cases', {}))})") from None
+
+
 def ladder_table(rows: Sequence[Row | dict[str, Any]]) -> str:
-    """The case's own markdown table: bytes per param, ZeRO-1 bytes per device, loss and time ratios."""
+    """The case's own markdown tables: the bytes, then (where steps were trained) the loss and time ratios.
+
+    Two tables of four and five columns rather than one of eight: each fits the
+    pages' content column at 1280 px, every column in view.
+    """
+    records = [row if isinstance(row, dict) else {"variant": row.variant, **row.extra} for row in rows]
     lines = [
-        "| variant | optimizer B/param | params + optimizer B/param | ZeRO-1 B/param/device (8) "
-        "| final loss | x float32 loss | held-out loss | x float32 step time |",
-        "|---|---|---|---|---|---|---|---|",
+        "| variant | optimizer B/param | params + optimizer B/param | ZeRO-1 B/param/device (8) |",
+        "|---|---|---|---|",
     ]
-    for row in rows:
-        r = row if isinstance(row, dict) else {"variant": row.variant, **row.extra}
+    for r in records:
         if "bytes_per_param" not in r:
-            lines.append(f"| {r['variant']} | {r.get('error', '-')} | | | | | | |")
+            lines.append(f"| {r['variant']} | {r.get('error', '-')} | | |")
             continue
         zero = r.get("zero_bytes_per_param_device0")
         zero_cell = f"{zero:.3f}" if zero is not None else r.get("zero_error", "-")
-        trained = (
-            f"{r['final_loss']:.4f} | {r['loss_vs_float32']:.4f} | {r['held_out_loss']:.4f} | {r['time_vs_float32']:.3f}"
-            if "final_loss" in r
-            else "- | - | - | -"
-        )
         lines.append(
-            f"| {r['variant']} | {r['optimizer_bytes_per_param']:.3f} | {r['bytes_per_param']:.3f} | {zero_cell} "
-            f"| {trained} |"
+            f"| {r['variant']} | {r['optimizer_bytes_per_param']:.3f} | {r['bytes_per_param']:.3f} | {zero_cell} |"
         )
+    trained = [r for r in records if "final_loss" in r]
+    if trained:
+        lines += [
+            "",
+            "| variant | final loss | x float32 loss | held-out loss | x float32 step time |",
+            "|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| {r['variant']} | {r['final_loss']:.4f} | {r['loss_vs_float32']:.4f} | {r['held_out_loss']:.4f} "
+            f"| {r['time_vs_float32']:.3f} |"
+            for r in trained
+        ]
     return "\n".join(lines)
 
 
-def draw(rows: Sequence[Row], log: Callable[[str], None] = print) -> None:
-    """The loss curves of every variant on one plot, and the bytes per param as bars: PNGs under docs/img/."""
+def draw(
+    records: Sequence[dict[str, Any]], log: Callable[[str], None] = print, figures: dict[str, Path] = FIGURES
+) -> list[Path]:
+    """The PNGs of :data:`FIGURES` from the case's records (``Row.as_dict()`` or a run's JSON rows).
+
+    The loss figure needs every variant's ``losses`` (a run that trained); the bytes
+    figure draws from any record. Returns the paths written.
+    """
     try:
-        import matplotlib
+        import matplotlib  # noqa: F401
     except ImportError:
         log(f"[{CASE}] no matplotlib (pip install -e '.[benchmarks]'): figures not drawn")
-        return
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import numpy as np
-
-    FIGURES["loss"].parent.mkdir(parents=True, exist_ok=True)
-    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=120)
-    for row in rows:
-        losses = np.asarray(row.extra["losses"])
-        width = max(1, len(losses) // 30)
-        smooth = np.convolve(losses, np.ones(width) / width, mode="valid")
-        ax.plot(np.arange(len(smooth)) + width, smooth, label=row.variant, linewidth=1.2)
-    ax.set_xlabel("step")
-    ax.set_ylabel("training loss (nats per character, running mean)")
-    ax.set_title(f"Memory ladder: {rows[0].config}", fontsize=9)
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(FIGURES["loss"])
-    plt.close(fig)
-
-    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=120)
-    names = [r.variant for r in rows]
-    x = np.arange(len(rows))
-    n = np.asarray([r.extra["n_params"] for r in rows], float)
-    params = np.asarray([r.extra["params_bytes"] for r in rows]) / n
-    masters = np.asarray([r.extra["master_bytes"] for r in rows]) / n
-    state = np.asarray([r.extra["optimizer_bytes"] - r.extra["master_bytes"] for r in rows]) / n
-    zero = np.asarray([r.extra.get("zero_bytes_per_param_device0", np.nan) for r in rows])
-    ax.bar(x - 0.2, params, 0.4, label="params")
-    ax.bar(x - 0.2, masters, 0.4, bottom=params, label="master weights")
-    ax.bar(x - 0.2, state, 0.4, bottom=params + masters, label="moments (codes + scales) and counts")
-    ax.bar(x + 0.2, zero, 0.4, label=f"all of it, per device, ZeRO-1 over {DEVICES}", color="0.6")
-    for xi, total in zip(x, params + masters + state, strict=True):
-        ax.text(xi - 0.2, total, f"{total:.2f}", ha="center", va="bottom", fontsize=8)
-    for xi, z in zip(x, zero, strict=True):
-        if np.isfinite(z):
-            ax.text(xi + 0.2, z, f"{z:.2f}", ha="center", va="bottom", fontsize=8)
-    ax.set_xticks(x, names, fontsize=8, rotation=15)
-    ax.set_ylabel("bytes per parameter")
-    ax.set_title("Memory ladder: params + optimizer, bytes per parameter", fontsize=9)
-    ax.legend(fontsize=8)
-    ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(FIGURES["bytes"])
-    plt.close(fig)
-    log(f"[{CASE}] figures: {FIGURES['loss'].relative_to(ROOT)}, {FIGURES['bytes'].relative_to(ROOT)}")
+        return []
+    written = []
+    if all("losses" in r for r in records):
+        _ladder_figures.save(_ladder_figures.loss_figure(records), figures["loss"])
+        written.append(figures["loss"])
+    else:
+        log(f"[{CASE}] no losses in these records (no step trained): {figures['loss'].name} left as it is")
+    _ladder_figures.save(_ladder_figures.bytes_figure(records), figures["bytes"])
+    written.append(figures["bytes"])
+    log(
+        f"[{CASE}] figures: "
+        + ", ".join(str(p.relative_to(ROOT) if p.is_relative_to(ROOT) else p) for p in written)
+    )
+    return written
 
 
 def main(argv: Sequence[str]) -> None:
     if argv and argv[0] == "--child":
-        print(json.dumps(_child(argv[1])))
+        print(json.dumps(_child(argv[1], bytes_only="bytes" in argv[2:])))
         return
     from benchmarks._common import FULL, QUICK, SMOKE
 
-    profile = {"full": FULL, "quick": QUICK, "smoke": SMOKE}[argv[0] if argv else "full"]
-    print(ladder_table(run(profile, log=lambda m: print(m, file=sys.stderr))))
+    def log(message: str) -> None:
+        print(message, file=sys.stderr)
+
+    profiles = {"full": FULL, "quick": QUICK, "smoke": SMOKE}
+    if argv and argv[0] == "plot":  # a recorded run, drawn again: nothing measured
+        records = recorded(Path(argv[1]) if len(argv) > 1 else RESULTS / "latest.json")
+        draw(records, log=log)
+        print(ladder_table(records))
+        return
+    if argv and argv[0] == "bytes":
+        rows = run(profiles[argv[1] if len(argv) > 1 else "full"], log=log, figures=True, bytes_only=True)
+        print(ladder_table(rows))
+        return
+    print(ladder_table(run(profiles[argv[0] if argv else "full"], log=log)))
 
 
 if __name__ == "__main__":

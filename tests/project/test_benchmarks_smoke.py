@@ -132,7 +132,9 @@ def check_memory_ladder_bytes_follow_the_arithmetic(results: dict) -> None:
         assert "error" not in r and "zero_error" not in r, r
         n = r["n_params"]
         assert r["value"] == r["bytes_per_param"] == (r["params_bytes"] + r["optimizer_bytes"]) / n
-        assert r["params_bytes"] == (2 if r["variant"].startswith("bf16") else 4) * n, r
+        assert r["spec"]["param_dtype"] == memory_ladder.variants()[r["variant"]][0]
+        assert r["params_bytes"] == (2 if r["spec"]["param_dtype"] == "bfloat16" else 4) * n, r
+        check_memory_ladder_parts(r)
         assert "final_loss" not in r  # smoke trains nothing: the bytes of a fresh state
         # ZeRO-1: the params replicated, the optimizer split as far as its leaves' shardings go.
         assert r["zero_params_bytes_device0"] == r["params_bytes"]
@@ -155,6 +157,25 @@ def check_memory_ladder_bytes_follow_the_arithmetic(results: dict) -> None:
     low, f32_low = by_variant["bf16 + master + 8-bit"], by_variant["float32 + 8-bit"]
     assert low["optimizer_bytes"] - f32_low["optimizer_bytes"] == 4 * f32["n_params"]
     assert by_variant["bf16 + master + 4-bit"]["optimizer_bytes"] < low["optimizer_bytes"]
+
+
+def check_memory_ladder_parts(r: dict) -> None:
+    """The figure's parts add up to what the variant holds, each where its option puts it."""
+    parts, spec, n = r["parts_bytes"], r["spec"], r["n_params"]
+    assert parts["other"] == 0, r  # every byte of the optimizer is one of the named parts
+    assert sum(parts.values()) == r["params_bytes"] + r["optimizer_bytes"], r
+    assert parts["params"] == r["params_bytes"] and parts["master"] == r["master_bytes"], r
+    assert parts["master"] == (4 * n if spec["master_dtype"] == "float32" else 0), r
+    # Kahan: a buffer in the params' dtype, as large as the params; stochastic rounding: one key.
+    assert parts["compensation"] == (r["params_bytes"] if spec["param_rounding"] == "kahan" else 0), r
+    assert parts["rounding_key"] == (8 if spec["param_rounding"] == "stochastic" else 0), r
+    assert 8 <= parts["counts"] <= 16, r  # adamw's int32 counts and treeopt's step
+    if spec["state_bits"] is None:
+        # Two moments a param: in the params' dtype without an option (optax's choice), else float32.
+        plain = spec["master_dtype"] is None and spec["param_rounding"] is None
+        assert parts["moments"] == 2 * n * (r["params_bytes"] // n if plain else 4), r
+    else:
+        assert parts["moments"] < 2.2 * n, r  # codes and scales, and the small leaves in full
 
 
 def check_gpu_case_skips_cleanly_without_a_gpu(results: dict) -> None:
