@@ -17,6 +17,7 @@ import importlib
 import importlib.util
 import inspect
 import json
+import os
 import re
 import sys
 import textwrap
@@ -207,6 +208,74 @@ def test_every_page_is_in_the_nav():
         if p.suffix in {".md", ".ipynb"} and ".ipynb_checkpoints" not in p.parts
     }
     assert not on_disk - in_nav, f"pages missing from the nav of mkdocs.yml: {sorted(on_disk - in_nav)}"
+
+
+def _top_level_entries(config: dict[str, Any]) -> list[tuple[str, list[str]]]:
+    """``(title, pages)`` of each entry at the top of the nav: a page, or a section and its pages."""
+    entries = []
+    for item in config["nav"]:
+        for title, value in item.items() if isinstance(item, dict) else [(item, item)]:
+            entries.append((title, _nav_pages(value)))
+    return entries
+
+
+_LINK = re.compile(r"(?<!!)\[(?P<text>[^\]]+)\]\((?P<target>[^)#\s]+)(?:#[^)\s]*)?\)")
+
+
+def test_the_index_points_to_every_part_of_the_site():
+    """"Where to go next" links every page at the top of the nav, and a page of every section."""
+    index = (DOCS / "index.md").read_text()
+    linked = {m["target"] for m in _LINK.finditer(index.split("## Where to go next", 1)[1])}
+    missing = [title for title, pages in _top_level_entries(_config()) if pages != ["index.md"] and not linked & set(pages)]
+    assert not missing, f'docs/index.md\'s "Where to go next" does not link: {missing}'
+
+
+def _guide_titles() -> dict[str, str]:
+    """``{page: nav title}`` of the guides at the top of the nav (not the API reference, notebooks or migration guides)."""
+    return {pages[0]: title for title, pages in _top_level_entries(_config()) if len(pages) == 1}
+
+
+def misnamed_links(page: str, text: str, titles: dict[str, str]) -> list[str]:
+    """Links in ``text`` (a page at ``page``) that call a guide by another name than its nav title.
+
+    A link's words may name a section after the title ("Sharding: ZeRO-1",
+    "Benchmarks, case 10") or be the title in lower case; a link in code
+    (`` [`treeopt.t5x`](t5x.md) ``) names an object, not a page.
+    """
+    found = []
+    for match in _LINK.finditer(FENCE.sub("", text)):
+        words, target = match["text"], match["target"]
+        if "://" in target or words.startswith("`"):
+            continue
+        title = titles.get(os.path.normpath((Path(page).parent / target).as_posix()))
+        if title is None:
+            continue
+        if not re.match(re.escape(title.casefold()) + r"($|[:,] )", words.casefold()):
+            found.append(f"[{words}]({target}): the page is called {title!r}")
+    return found
+
+
+def test_misnamed_links_are_found():
+    titles = {"mixed-precision.md": "Narrow params", "sharding.md": "Sharding"}
+    text = (
+        "[Mixed precision](mixed-precision.md) [narrow params](mixed-precision.md#x) "
+        "[Sharding: ZeRO-1](sharding.md) [Sharding the state](../sharding.md) [`x`](sharding.md) "
+        "![Sharding](sharding.md)"
+    )
+    # From docs/index.md, ../sharding.md is no page of the site; from a migration guide it is sharding.md.
+    assert misnamed_links("index.md", text, titles) == [
+        "[Mixed precision](mixed-precision.md): the page is called 'Narrow params'"
+    ]
+    assert misnamed_links("migration/page.md", text, titles) == [
+        "[Sharding the state](../sharding.md): the page is called 'Sharding'"
+    ]
+
+
+@pytest.mark.parametrize("page", sorted(p.relative_to(DOCS).as_posix() for p in DOCS.rglob("*.md")))
+def test_links_call_a_guide_by_its_one_name(page):
+    """A guide goes by its nav title everywhere ("Narrow params" once also went by "Mixed precision")."""
+    misnamed = misnamed_links(page, (DOCS / page).read_text(), _guide_titles())
+    assert not misnamed, f"docs/{page}: {misnamed}"
 
 
 def test_every_notebook_is_in_the_docs():
