@@ -164,6 +164,49 @@ def test_api_reference_covers_every_public_name():
     assert not missing, f"public names missing from the API reference (docs/api/*.md): {missing}"
 
 
+# -- docstrings as the API reference renders them -------------------------------------
+
+
+def _rendered_docstring(doc: str) -> str:
+    """``doc`` as docs/griffe_docstrings.py hands it to mkdocstrings (its Markdown)."""
+    spec = importlib.util.spec_from_file_location("griffe_docstrings", DOCS / "griffe_docstrings.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    obj = types.SimpleNamespace(docstring=types.SimpleNamespace(value=doc))
+    module.TreeoptDocstrings().on_object(obj=obj)
+    return obj.docstring.value
+
+
+def test_rest_literal_blocks_become_fenced_code():
+    doc = "Swap the name::\n\n    a = 1  # before\n\n    b = 2\n\nThen ::\n\n    c\n\nA plain line: not a block.\n"
+    assert _rendered_docstring(doc) == (
+        "Swap the name:\n\n```python\na = 1  # before\n\nb = 2\n```\n\nThen\n\n```python\nc\n```\n\n"
+        "A plain line: not a block.\n"
+    )
+
+
+def _docstrings() -> dict[str, str]:
+    """Every docstring the API reference renders: public objects and their public members."""
+    found = {}
+    for name, obj in PUBLIC.items():
+        found[name] = inspect.getdoc(obj) or ""
+        if inspect.isclass(obj):
+            for member_name, member in vars(obj).items():
+                doc = getattr(member, "__doc__", None)
+                if not member_name.startswith("_") and isinstance(doc, str):
+                    found[f"{name}.{member_name}"] = inspect.cleandoc(doc)
+    return found
+
+
+def test_docstrings_render_no_rest_markup():
+    """The nnx API page once showed "nothing else changes::", reST's literal-block marker, as text."""
+    shown = {name: _rendered_docstring(doc) for name, doc in _docstrings().items()}
+    markers = sorted(name for name, text in shown.items() if re.search(r"::[ \t]*$", text, re.M))
+    assert not markers, f"docstrings whose rendered Markdown keeps a reST '::': {markers}"
+    assert "```python" in shown["treeopt.nnx"]
+
+
 # -- the site's navigation ---------------------------------------------------------
 
 
