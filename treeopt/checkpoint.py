@@ -413,7 +413,9 @@ class CheckpointManager:
 
     def _reader(self, step: int | None, verify: bool) -> Reader:
         if step is None:
-            self.manager.reload()
+            # The save in flight first: orbax forgets a step that is not on disk when it reloads.
+            self._finish_own_saves()
+            self.manager.reload()  # steps another writer made meanwhile
             step = self.latest_step()
             if step is None:
                 raise FileNotFoundError(f"No checkpoint in {self.directory}.")

@@ -1,0 +1,117 @@
+"""A manager's own saves in flight: seen by its reads, kept whole under threads, never removed by another.
+
+Orbax commits an asynchronous save in the background by renaming its
+temporary directory into place. The ``held_commits`` fixture holds that
+rename until the test lets it go, so a save is surely still in flight when
+the next call comes, without a large state or a sleep to make it so.
+
+- ``restore``, ``restore_state_dict``, ``latest_step`` and ``all_steps``
+  right after ``save`` wait for the step in flight and see it, and the
+  manager's steps stay right afterwards.
+- Saves from several threads through one manager are serialized: every save
+  that returned True is on disk after ``wait_until_finished``.
+- A writer whose lock file was removed by hand, while a second writer saves,
+  leaves the second writer's step in flight alone when it waits and closes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import treeopt
+from treeopt import checkpoint
+from treeopt.errors import CheckpointInUseError
+
+PARAMS = {"w": jnp.zeros(4)}
+BASE = treeopt.Optimizer(optax.adam(0.1)).init(PARAMS)
+TARGET = jax.eval_shape(treeopt.Optimizer(optax.adam(0.1)).init, PARAMS)
+DEADLINE_S = 60  # only a hang waits that long
+RELEASE_AFTER_S = 0.2  # how long a held commit stays held once the reader is (or should be) waiting
+
+
+def state_at(step):
+    """The optimizer whose every value is ``step``."""
+    return BASE.load_state_dict(jax.tree.map(lambda x: np.full(x.shape, step, x.dtype), BASE.state_dict()))
+
+
+def step_of(state_dict):
+    """The step whose values ``state_dict`` holds, after checking every value is that step's."""
+    values = {float(np.asarray(x).reshape(-1)[0]) for x in jax.tree.leaves(state_dict)}
+    assert len(values) == 1, values
+    return int(values.pop())
+
+
+class Commits:
+    """Orbax's commits of asynchronous saves, held while ``held`` is set, counted as they arrive."""
+
+    def __init__(self):
+        self.open = threading.Event()
+        self.open.set()
+        self.arrived = threading.Semaphore(0)
+
+    def hold(self):
+        self.open.clear()
+
+    def release(self, after_s=0.0):
+        """Lets the held commits go, at once or from a timer (while the caller is blocked in a call)."""
+        if after_s:
+            threading.Timer(after_s, self.open.set).start()
+        else:
+            self.open.set()
+
+    def wait_for_one(self):
+        """Blocks until a save's files are written and its commit is waiting."""
+        assert self.arrived.acquire(timeout=DEADLINE_S), "no save reached its commit"
+
+
+@pytest.fixture
+def held_commits(monkeypatch):
+    from orbax.checkpoint._src.path import atomicity
+
+    commits = Commits()
+    commit = atomicity.AtomicRenameTemporaryPath.finalize
+
+    async def held_commit(self):
+        commits.arrived.release()
+        await asyncio.to_thread(commits.open.wait, DEADLINE_S)
+        return await commit(self)
+
+    monkeypatch.setattr(atomicity.AtomicRenameTemporaryPath, "finalize", held_commit)
+    yield commits
+    commits.release()
+
+
+# -- reads wait for the save in flight -------------------------------------------------------------
+
+READS = {
+    "restore": lambda manager: int(manager.restore(TARGET).step),
+    "restore_state_dict": lambda manager: step_of(manager.restore_state_dict()),
+    "latest_step": lambda manager: manager.latest_step(),
+    "all_steps": lambda manager: list(manager.all_steps())[-1],
+}
+
+
+@pytest.mark.parametrize("earlier", [None, 3], ids=["first-save", "after-step-3"])
+@pytest.mark.parametrize("read", sorted(READS))
+def test_reads_right_after_an_async_save_wait_for_it(tmp_path, held_commits, read, earlier):
+    with checkpoint.CheckpointManager(tmp_path) as manager:
+        if earlier is not None:
+            assert manager.save(earlier, state_at(earlier))
+            manager.wait_until_finished()
+        held_commits.hold()
+        assert manager.save(5, state_at(5))
+        held_commits.wait_for_one()  # written, not yet renamed into place: in flight
+        assert "5" not in os.listdir(tmp_path)
+        held_commits.release(after_s=RELEASE_AFTER_S)
+        assert READS[read](manager) == 5
+        assert manager.latest_step() == 5
+        assert list(manager.all_steps()) == ([] if earlier is None else [earlier]) + [5]
+        assert step_of(manager.restore_state_dict()) == 5
