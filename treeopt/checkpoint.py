@@ -261,7 +261,11 @@ class CheckpointManager:
 
     Reading needs no write access: a manager on a directory this process
     cannot write lists and restores, and is read-only (a ``PermissionError``
-    says so at :meth:`save`). Nothing is written, moved or deleted through a
+    says so at :meth:`save`). One opened with
+    ``options=ocp.CheckpointManagerOptions(read_only=True)`` is read-only on
+    purpose: it takes no lock, removes nothing, and refuses every
+    :meth:`save`, forced or not, with a ``PermissionError`` that says it is
+    read-only. Nothing is written, moved or deleted through a
     symbolic link in the directory, and a ``directory`` that is a link is
     resolved once. A closed manager refuses :meth:`save`.
 
@@ -352,7 +356,9 @@ class CheckpointManager:
         The first call makes this manager the directory's one writer until
         :meth:`close`: if another process (or another open manager) writes it,
         it raises :class:`~treeopt.errors.CheckpointInUseError` naming that
-        writer. Each call first removes what a failed or killed save left.
+        writer. Each call first removes what a failed or killed save left. A
+        read-only manager (``CheckpointManagerOptions(read_only=True)``, or a
+        directory this process cannot write) raises ``PermissionError``.
 
         Example:
             >>> import tempfile, jax.numpy as jnp, optax, treeopt
@@ -365,6 +371,13 @@ class CheckpointManager:
             raise RuntimeError(
                 f"This CheckpointManager of {self.directory} is closed (close() was called): it saves "
                 "nothing more. Open a new CheckpointManager to save again."
+            )
+        if self._options.read_only:
+            raise PermissionError(
+                f"This CheckpointManager is read-only: it was opened with "
+                f"CheckpointManagerOptions(read_only=True), so it writes nothing in {self.directory} "
+                f"(save of step {step!r} refused, forced or not). Open a CheckpointManager without "
+                "read_only=True to save."
             )
         step = check_step(step)
         if self._dir.become_writer(self.manager.all_steps()):  # the first save: the lock, then tidy
