@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
-from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 
 from treeopt._checkpoint.directory import ManagedDirectory, agreed, is_primary, process_count
 from treeopt._checkpoint.held import held_optimizer
@@ -225,6 +227,23 @@ def _check_at_least_one(name: str, value: Any, none_means: str | None = None) ->
         raise ValueError(f"{name} must be {expected}, got {number}.")
 
 
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _one_call_at_a_time(
+    method: Callable[Concatenate[CheckpointManager, _P], _R],
+) -> Callable[Concatenate[CheckpointManager, _P], _R]:
+    """Runs ``method`` holding the manager's lock: orbax's manager is not made for calls from several threads."""
+
+    @functools.wraps(method)
+    def serialized(self: CheckpointManager, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        with self._calls:
+            return method(self, *args, **kwargs)
+
+    return serialized
+
+
 class CheckpointManager:
     """Numbered checkpoints of an Optimizer (and params) over ``orbax.checkpoint.CheckpointManager``.
 
@@ -258,6 +277,13 @@ class CheckpointManager:
     not a complete checkpoint is left out of :meth:`all_steps` with a warning
     naming it (and moved into ``.treeopt-incomplete`` when the directory is
     tidied). See ``docs/resume.md``.
+
+    Threads may share a manager: its calls run one at a time (a lock held
+    while a call runs, not while orbax writes in the background), so saves
+    from several threads are serialized, never refused. Each waits for the
+    save before it, as orbax's next save does; one whose step is not above
+    the latest is skipped (``False``) unless forced. Every save that returned
+    True is on disk after :meth:`wait_until_finished`.
 
     Reading needs no write access: a manager on a directory this process
     cannot write lists and restores, and is read-only (a ``PermissionError``
@@ -305,6 +331,7 @@ class CheckpointManager:
             _check_at_least_one("options.max_to_keep", options.max_to_keep, "keep every step")
         # A link is resolved once: the lock and the steps are at the real path, whichever way it is named.
         self.directory = os.path.realpath(os.fspath(directory))
+        self._calls = threading.RLock()  # one call at a time, from any thread (see the class doc)
         self._closed = False
         deleted_subdir = None
         if options.todelete_subdir is None and options.todelete_full_path is None and not options.read_only:
@@ -346,6 +373,7 @@ class CheckpointManager:
             with contextlib.suppress(OSError):
                 os.rmdir(deleted)
 
+    @_one_call_at_a_time
     def save(self, step: int, opt: Optimizer, params: Any = None, *, force: bool = False) -> bool:
         """Saves ``opt`` (and ``params``) as ``step``; False when the save interval skips it.
 
@@ -356,7 +384,8 @@ class CheckpointManager:
         The first call makes this manager the directory's one writer until
         :meth:`close`: if another process (or another open manager) writes it,
         it raises :class:`~treeopt.errors.CheckpointInUseError` naming that
-        writer. Each call first removes what a failed or killed save left. A
+        writer. Each call first removes what a failed or killed save left.
+        Saves from several threads run one after another. A
         read-only manager (``CheckpointManagerOptions(read_only=True)``, or a
         directory this process cannot write) raises ``PermissionError``.
 
@@ -447,6 +476,7 @@ class CheckpointManager:
             step=step,
         )
 
+    @_one_call_at_a_time
     def restore(
         self,
         target: Optimizer,
@@ -461,15 +491,18 @@ class CheckpointManager:
         """Restores ``step`` (default: the latest); arguments and result as :func:`restore`."""
         return _restored(self._reader(step, verify), target, params, shardings, param_shardings, strict)
 
+    @_one_call_at_a_time
     def restore_state_dict(self, step: int | None = None, *, verify: bool = True) -> dict[str, Any]:
         """The optimizer state dict of ``step`` (default: the latest), with no target."""
         return self._reader(step, verify).restore_state_dict()
 
+    @_one_call_at_a_time
     def latest_step(self) -> int | None:
         """The newest complete step, or None."""
         steps = self.all_steps()
         return steps[-1] if steps else None
 
+    @_one_call_at_a_time
     def all_steps(self) -> Sequence[int]:
         """The complete steps, oldest first; a warning names each step directory that is not complete.
 
@@ -485,12 +518,14 @@ class CheckpointManager:
             self._saving = False  # first: a failed wait notes latest_step, which comes back here
             self.wait_until_finished()
 
+    @_one_call_at_a_time
     def wait_until_finished(self) -> None:
         """Blocks until pending (async) saves are written and the steps they drop deleted."""
         with self._cleaning_up("an asynchronous save", always=True):
             self.manager.wait_until_finished()
         self._empty_deleted(remove=True)
 
+    @_one_call_at_a_time
     def close(self) -> None:
         """Waits for pending saves, releases orbax's resources and gives the directory up to other writers.
 

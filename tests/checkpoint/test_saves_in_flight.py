@@ -28,7 +28,6 @@ import pytest
 
 import treeopt
 from treeopt import checkpoint
-from treeopt.errors import CheckpointInUseError
 
 PARAMS = {"w": jnp.zeros(4)}
 BASE = treeopt.Optimizer(optax.adam(0.1)).init(PARAMS)
@@ -115,3 +114,46 @@ def test_reads_right_after_an_async_save_wait_for_it(tmp_path, held_commits, rea
         assert manager.latest_step() == 5
         assert list(manager.all_steps()) == ([] if earlier is None else [earlier]) + [5]
         assert step_of(manager.restore_state_dict()) == 5
+
+
+# -- saves from several threads ---------------------------------------------------------------------
+
+
+def saves_from_threads(manager, steps, commits):
+    """``{step: what manager.save returned or raised}``, each step saved by its own thread, all at once.
+
+    The first save to reach orbax stays in flight a moment, so the others come while it is.
+    """
+    results = {}
+    start = threading.Barrier(len(steps))
+
+    def save(step):
+        start.wait()
+        try:
+            results[step] = manager.save(step, state_at(step))
+        except Exception as e:
+            results[step] = e
+
+    commits.hold()
+    threads = [threading.Thread(target=save, args=(step,)) for step in steps]
+    for thread in threads:
+        thread.start()
+    commits.wait_for_one()
+    commits.release(after_s=RELEASE_AFTER_S)
+    for thread in threads:
+        thread.join(DEADLINE_S)
+    assert not any(thread.is_alive() for thread in threads), "a save hung"
+    return results
+
+
+def test_saves_from_three_threads_are_serialized_and_every_true_one_is_on_disk(tmp_path, held_commits):
+    for trial in range(3):
+        with checkpoint.CheckpointManager(tmp_path / str(trial)) as manager:
+            results = saves_from_threads(manager, (1, 2, 3), held_commits)
+            assert all(isinstance(result, bool) for result in results.values()), results
+            manager.wait_until_finished()
+            saved = sorted(step for step, result in results.items() if result)
+            # Serialized in the order they came: a step below the latest is skipped (False), as orbax skips it.
+            assert saved and list(manager.all_steps()) == saved, results
+            for step in saved:
+                assert step_of(manager.restore_state_dict(step)) == step
