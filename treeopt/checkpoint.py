@@ -273,7 +273,9 @@ class CheckpointManager:
     another writer's save raises :class:`~treeopt.errors.CheckpointInUseError`.
     What failed or killed saves left (orbax's ``N.orbax-checkpoint-tmp``) is
     removed by the writer before each save and when it waits or closes, and
-    when a manager opens a directory no one writes. A step directory that is
+    when a manager opens a directory no one writes; a writer whose lock file
+    was removed or replaced by hand removes nothing (another writer may have
+    taken the directory). A step directory that is
     not a complete checkpoint is left out of :meth:`all_steps` with a warning
     naming it (and moved into ``.treeopt-incomplete`` when the directory is
     tidied). See ``docs/resume.md``.
@@ -362,10 +364,11 @@ class CheckpointManager:
         """Deletes the steps orbax has moved into the deleted subdirectory, then (``remove``) it.
 
         The subdirectory itself is removed only when no save is under way:
-        orbax creates it before moving a step in. Only the writer touches it.
+        orbax creates it before moving a step in. Only the writer touches it,
+        and only while its lock is still its own.
         """
         deleted = self._deleted
-        if deleted is None or not self._dir.writing or os.path.islink(deleted) or not os.path.isdir(deleted):
+        if deleted is None or not self._dir.owns() or os.path.islink(deleted) or not os.path.isdir(deleted):
             return
         for entry in os.listdir(deleted):
             remove_path(os.path.join(deleted, entry))

@@ -28,6 +28,7 @@ import pytest
 
 import treeopt
 from treeopt import checkpoint
+from treeopt.errors import CheckpointInUseError
 
 PARAMS = {"w": jnp.zeros(4)}
 BASE = treeopt.Optimizer(optax.adam(0.1)).init(PARAMS)
@@ -157,3 +158,30 @@ def test_saves_from_three_threads_are_serialized_and_every_true_one_is_on_disk(t
             assert saved and list(manager.all_steps()) == saved, results
             for step in saved:
                 assert step_of(manager.restore_state_dict(step)) == step
+
+
+# -- a lock removed by hand --------------------------------------------------------------------------
+
+
+def test_a_writer_that_lost_its_lock_leaves_the_next_writers_save_in_flight_alone(tmp_path, held_commits):
+    first = checkpoint.CheckpointManager(tmp_path)
+    assert first.save(1, state_at(1))
+    first.wait_until_finished()
+    (tmp_path / ".treeopt-lock").unlink()  # by hand: a second writer may now take the directory
+    with checkpoint.CheckpointManager(tmp_path) as second:
+        held_commits.hold()
+        assert second.save(2, state_at(2))
+        held_commits.wait_for_one()
+        in_flight = sorted(entry for entry in os.listdir(tmp_path) if entry.startswith("2."))
+        assert in_flight, os.listdir(tmp_path)  # the second writer's temporary directory
+        with pytest.raises(CheckpointInUseError, match=r"removed or replaced while it was writing"):
+            first.save(3, state_at(3))
+        first.wait_until_finished()
+        first.close()  # its cleanup: nothing of the second writer's is its to remove
+        assert set(in_flight) <= set(os.listdir(tmp_path)) and (tmp_path / ".treeopt-lock").exists()
+        held_commits.release()
+        second.wait_until_finished()
+        assert list(second.all_steps()) == [1, 2]
+        assert step_of(second.restore_state_dict()) == 2
+        assert second.save(4, state_at(4))  # still the directory's writer
+    assert sorted(os.listdir(tmp_path)) == ["1", "2", "4"]
