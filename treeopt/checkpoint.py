@@ -166,7 +166,9 @@ def restore(
             a file of the checkpoint is missing (the message says it is damaged).
         CheckpointError: the checkpoint is damaged or incomplete: truncated,
             corrupted (a checksum mismatch included) or partly deleted.
-        StateDictError: it does not match ``target`` / ``params``.
+        StateDictError: it does not match ``target`` / ``params``, or it is a
+            flax ``nnx.Optimizer``'s checkpoint (the message says so and points
+            to the ``warm_start`` migration of ``docs/migration/from-nnx.md``).
 
     Example:
         >>> import tempfile, jax, jax.numpy as jnp, optax, treeopt
@@ -189,7 +191,8 @@ def restore_state_dict(directory: str | os.PathLike[str], *, verify: bool = True
     """The optimizer state dict in a checkpoint of :func:`save`, with no target (for ``warm_start``).
 
     Arrays land on the first local device. The checkpoint is found as
-    :func:`restore` finds it (the sibling of an interrupted forced save included).
+    :func:`restore` finds it (the sibling of an interrupted forced save included),
+    and refused as it refuses it (a flax ``nnx.Optimizer``'s checkpoint included).
 
     Example:
         >>> import tempfile, jax.numpy as jnp, optax, treeopt
