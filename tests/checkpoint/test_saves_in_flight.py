@@ -17,6 +17,7 @@ the next call comes, without a large state or a sleep to make it so.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import threading
 
@@ -59,6 +60,15 @@ class Commits:
 
     def hold(self):
         self.open.clear()
+
+    @contextlib.contextmanager
+    def held(self):
+        """Holds the commits in the block; lets them go at its end, however it ends (a failed assert too)."""
+        self.hold()
+        try:
+            yield
+        finally:
+            self.release()
 
     def release(self, after_s=0.0):
         """Lets the held commits go, at once or from a timer (while the caller is blocked in a call)."""
@@ -168,17 +178,19 @@ def test_a_writer_that_lost_its_lock_leaves_the_next_writers_save_in_flight_alon
     assert first.save(1, state_at(1))
     first.wait_until_finished()
     (tmp_path / ".treeopt-lock").unlink()  # by hand: a second writer may now take the directory
-    with checkpoint.CheckpointManager(tmp_path) as second:
-        held_commits.hold()
+    with checkpoint.CheckpointManager(tmp_path) as second, held_commits.held():
         assert second.save(2, state_at(2))
         held_commits.wait_for_one()
         in_flight = sorted(entry for entry in os.listdir(tmp_path) if entry.startswith("2."))
         assert in_flight, os.listdir(tmp_path)  # the second writer's temporary directory
+        dropping = tmp_path / ".treeopt-deleted" / "0"  # a step the second writer is deleting (max_to_keep)
+        dropping.mkdir(parents=True)
         with pytest.raises(CheckpointInUseError, match=r"removed or replaced while it was writing"):
             first.save(3, state_at(3))
         first.wait_until_finished()
         first.close()  # its cleanup: nothing of the second writer's is its to remove
         assert set(in_flight) <= set(os.listdir(tmp_path)) and (tmp_path / ".treeopt-lock").exists()
+        assert dropping.is_dir()
         held_commits.release()
         second.wait_until_finished()
         assert list(second.all_steps()) == [1, 2]
