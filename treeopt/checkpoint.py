@@ -20,11 +20,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import os
 import threading
-from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 from treeopt._checkpoint.directory import ManagedDirectory, agreed, is_primary, process_count
 from treeopt._checkpoint.held import held_optimizer
@@ -230,23 +229,6 @@ def _check_at_least_one(name: str, value: Any, none_means: str | None = None) ->
         raise ValueError(f"{name} must be {expected}, got {number}.")
 
 
-_P = ParamSpec("_P")
-_R = TypeVar("_R")
-
-
-def _one_call_at_a_time(
-    method: Callable[Concatenate[CheckpointManager, _P], _R],
-) -> Callable[Concatenate[CheckpointManager, _P], _R]:
-    """Runs ``method`` holding the manager's lock: orbax's manager is not made for calls from several threads."""
-
-    @functools.wraps(method)
-    def serialized(self: CheckpointManager, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
-        with self._calls:
-            return method(self, *args, **kwargs)
-
-    return serialized
-
-
 class CheckpointManager:
     """Numbered checkpoints of an Optimizer (and params) over ``orbax.checkpoint.CheckpointManager``.
 
@@ -336,7 +318,9 @@ class CheckpointManager:
             _check_at_least_one("options.max_to_keep", options.max_to_keep, "keep every step")
         # A link is resolved once: the lock and the steps are at the real path, whichever way it is named.
         self.directory = os.path.realpath(os.fspath(directory))
-        self._calls = threading.RLock()  # one call at a time, from any thread (see the class doc)
+        # One call at a time, from any thread (see the class doc): orbax's manager is not made for
+        # concurrent calls. Reentrant: a call's error note asks latest_step, restore asks all_steps.
+        self._calls = threading.RLock()
         self._closed = False
         deleted_subdir = None
         if options.todelete_subdir is None and options.todelete_full_path is None and not options.read_only:
@@ -379,7 +363,6 @@ class CheckpointManager:
             with contextlib.suppress(OSError):
                 os.rmdir(deleted)
 
-    @_one_call_at_a_time
     def save(self, step: int, opt: Optimizer, params: Any = None, *, force: bool = False) -> bool:
         """Saves ``opt`` (and ``params``) as ``step``; False when the save interval skips it.
 
@@ -402,31 +385,32 @@ class CheckpointManager:
             ...     manager.save(0, opt), manager.save(1, opt), manager.save(opt.step + 2, opt)
             (True, False, True)
         """
-        if self._closed:
-            raise RuntimeError(
-                f"This CheckpointManager of {self.directory} is closed (close() was called): it saves "
-                "nothing more. Open a new CheckpointManager to save again."
-            )
-        if self._options.read_only:
-            raise PermissionError(
-                f"This CheckpointManager is read-only: it was opened with "
-                f"CheckpointManagerOptions(read_only=True), so it writes nothing in {self.directory} "
-                f"(save of step {step!r} refused, forced or not). Open a CheckpointManager without "
-                "read_only=True to save."
-            )
-        step = check_step(step)
-        if self._dir.become_writer(self.manager.all_steps()):  # the first save: the lock, then tidy
-            self.manager.reload()
-        if not force and not self.manager.should_save(step):
-            return False
-        args, metadata = save_items(_saved_state(opt), params, step=step)
-        with self._cleaning_up(f"an earlier asynchronous save (step {step} was not saved)", always=True):
-            self.manager.wait_until_finished()  # as orbax's save does first; then nothing is in flight
-        with self._cleaning_up(f"saving step {step}"):
-            saved = bool(self.manager.save(step, args=args, force=force, custom_metadata=metadata))
-        self._saving = self._saving or saved
-        self._empty_deleted()  # orbax waited for the previous save, and its deletions, to finish
-        return saved
+        with self._calls:
+            if self._closed:
+                raise RuntimeError(
+                    f"This CheckpointManager of {self.directory} is closed (close() was called): it saves "
+                    "nothing more. Open a new CheckpointManager to save again."
+                )
+            if self._options.read_only:
+                raise PermissionError(
+                    f"This CheckpointManager is read-only: it was opened with "
+                    f"CheckpointManagerOptions(read_only=True), so it writes nothing in {self.directory} "
+                    f"(save of step {step!r} refused, forced or not). Open a CheckpointManager without "
+                    "read_only=True to save."
+                )
+            step = check_step(step)
+            if self._dir.become_writer(self.manager.all_steps()):  # the first save: the lock, then tidy
+                self.manager.reload()
+            if not force and not self.manager.should_save(step):
+                return False
+            args, metadata = save_items(_saved_state(opt), params, step=step)
+            with self._cleaning_up(f"an earlier asynchronous save (step {step} was not saved)", always=True):
+                self.manager.wait_until_finished()  # as orbax's save does first; then nothing is in flight
+            with self._cleaning_up(f"saving step {step}"):
+                saved = bool(self.manager.save(step, args=args, force=force, custom_metadata=metadata))
+            self._saving = self._saving or saved
+            self._empty_deleted()  # orbax waited for the previous save, and its deletions, to finish
+            return saved
 
     @contextlib.contextmanager
     def _cleaning_up(self, doing: str, always: bool = False, closing: bool = False) -> Iterator[None]:
@@ -482,7 +466,6 @@ class CheckpointManager:
             step=step,
         )
 
-    @_one_call_at_a_time
     def restore(
         self,
         target: Optimizer,
@@ -495,28 +478,28 @@ class CheckpointManager:
         verify: bool = True,
     ) -> Any:
         """Restores ``step`` (default: the latest); arguments and result as :func:`restore`."""
-        return _restored(self._reader(step, verify), target, params, shardings, param_shardings, strict)
+        with self._calls:
+            return _restored(self._reader(step, verify), target, params, shardings, param_shardings, strict)
 
-    @_one_call_at_a_time
     def restore_state_dict(self, step: int | None = None, *, verify: bool = True) -> dict[str, Any]:
         """The optimizer state dict of ``step`` (default: the latest), with no target."""
-        return self._reader(step, verify).restore_state_dict()
+        with self._calls:
+            return self._reader(step, verify).restore_state_dict()
 
-    @_one_call_at_a_time
     def latest_step(self) -> int | None:
         """The newest complete step, or None."""
-        steps = self.all_steps()
+        steps = self.all_steps()  # one call at a time there
         return steps[-1] if steps else None
 
-    @_one_call_at_a_time
     def all_steps(self) -> Sequence[int]:
         """The complete steps, oldest first; a warning names each step directory that is not complete.
 
         This manager's own saves count: one still being written is waited for
         first, so the step just saved is listed (not warned about as incomplete).
         """
-        self._finish_own_saves()
-        return self._dir.complete(self.manager.all_steps())
+        with self._calls:
+            self._finish_own_saves()
+            return self._dir.complete(self.manager.all_steps())
 
     def _finish_own_saves(self) -> None:
         """Waits for this manager's asynchronous saves, if one may still be in flight."""
@@ -524,28 +507,28 @@ class CheckpointManager:
             self._saving = False  # first: a failed wait notes latest_step, which comes back here
             self.wait_until_finished()
 
-    @_one_call_at_a_time
     def wait_until_finished(self) -> None:
         """Blocks until pending (async) saves are written and the steps they drop deleted."""
-        with self._cleaning_up("an asynchronous save", always=True):
-            self.manager.wait_until_finished()
-        self._empty_deleted(remove=True)
+        with self._calls:
+            with self._cleaning_up("an asynchronous save", always=True):
+                self.manager.wait_until_finished()
+            self._empty_deleted(remove=True)
 
-    @_one_call_at_a_time
     def close(self) -> None:
         """Waits for pending saves, releases orbax's resources and gives the directory up to other writers.
 
         A closed manager refuses :meth:`save` (a ``RuntimeError`` naming ``close``); closing again does nothing.
         """
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            with self._cleaning_up("an asynchronous save", always=True, closing=True):
-                self.manager.close()
-            self._empty_deleted(remove=True)
-        finally:
-            self._dir.release()
+        with self._calls:
+            if self._closed:
+                return
+            self._closed = True
+            try:
+                with self._cleaning_up("an asynchronous save", always=True, closing=True):
+                    self.manager.close()
+                self._empty_deleted(remove=True)
+            finally:
+                self._dir.release()
 
     def __enter__(self) -> CheckpointManager:
         return self
