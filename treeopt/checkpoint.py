@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import threading
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -164,7 +165,9 @@ def restore(
             a file of the checkpoint is missing (the message says it is damaged).
         CheckpointError: the checkpoint is damaged or incomplete: truncated,
             corrupted (a checksum mismatch included) or partly deleted.
-        StateDictError: it does not match ``target`` / ``params``.
+        StateDictError: it does not match ``target`` / ``params``, or it is a
+            flax ``nnx.Optimizer``'s checkpoint (the message says so and points
+            to the ``warm_start`` migration of ``docs/migration/from-nnx.md``).
 
     Example:
         >>> import tempfile, jax, jax.numpy as jnp, optax, treeopt
@@ -187,7 +190,8 @@ def restore_state_dict(directory: str | os.PathLike[str], *, verify: bool = True
     """The optimizer state dict in a checkpoint of :func:`save`, with no target (for ``warm_start``).
 
     Arrays land on the first local device. The checkpoint is found as
-    :func:`restore` finds it (the sibling of an interrupted forced save included).
+    :func:`restore` finds it (the sibling of an interrupted forced save included),
+    and refused as it refuses it (a flax ``nnx.Optimizer``'s checkpoint included).
 
     Example:
         >>> import tempfile, jax.numpy as jnp, optax, treeopt
@@ -254,14 +258,27 @@ class CheckpointManager:
     another writer's save raises :class:`~treeopt.errors.CheckpointInUseError`.
     What failed or killed saves left (orbax's ``N.orbax-checkpoint-tmp``) is
     removed by the writer before each save and when it waits or closes, and
-    when a manager opens a directory no one writes. A step directory that is
+    when a manager opens a directory no one writes; a writer whose lock file
+    was removed or replaced by hand removes nothing (another writer may have
+    taken the directory). A step directory that is
     not a complete checkpoint is left out of :meth:`all_steps` with a warning
     naming it (and moved into ``.treeopt-incomplete`` when the directory is
     tidied). See ``docs/resume.md``.
 
+    Threads may share a manager: its calls run one at a time (a lock held
+    while a call runs, not while orbax writes in the background), so saves
+    from several threads are serialized, never refused. Each waits for the
+    save before it, as orbax's next save does; one whose step is not above
+    the latest is skipped (``False``) unless forced. Every save that returned
+    True is on disk after :meth:`wait_until_finished`.
+
     Reading needs no write access: a manager on a directory this process
     cannot write lists and restores, and is read-only (a ``PermissionError``
-    says so at :meth:`save`). Nothing is written, moved or deleted through a
+    says so at :meth:`save`). One opened with
+    ``options=ocp.CheckpointManagerOptions(read_only=True)`` is read-only on
+    purpose: it takes no lock, removes nothing, and refuses every
+    :meth:`save`, forced or not, with a ``PermissionError`` that says it is
+    read-only. Nothing is written, moved or deleted through a
     symbolic link in the directory, and a ``directory`` that is a link is
     resolved once. A closed manager refuses :meth:`save`.
 
@@ -301,6 +318,9 @@ class CheckpointManager:
             _check_at_least_one("options.max_to_keep", options.max_to_keep, "keep every step")
         # A link is resolved once: the lock and the steps are at the real path, whichever way it is named.
         self.directory = os.path.realpath(os.fspath(directory))
+        # One call at a time, from any thread (see the class doc): orbax's manager is not made for
+        # concurrent calls. Reentrant: a call's error note asks latest_step, restore asks all_steps.
+        self._calls = threading.RLock()
         self._closed = False
         deleted_subdir = None
         if options.todelete_subdir is None and options.todelete_full_path is None and not options.read_only:
@@ -331,10 +351,11 @@ class CheckpointManager:
         """Deletes the steps orbax has moved into the deleted subdirectory, then (``remove``) it.
 
         The subdirectory itself is removed only when no save is under way:
-        orbax creates it before moving a step in. Only the writer touches it.
+        orbax creates it before moving a step in. Only the writer touches it,
+        and only while its lock is still its own.
         """
         deleted = self._deleted
-        if deleted is None or not self._dir.writing or os.path.islink(deleted) or not os.path.isdir(deleted):
+        if deleted is None or not self._dir.owns() or os.path.islink(deleted) or not os.path.isdir(deleted):
             return
         for entry in os.listdir(deleted):
             remove_path(os.path.join(deleted, entry))
@@ -353,6 +374,9 @@ class CheckpointManager:
         :meth:`close`: if another process (or another open manager) writes it,
         it raises :class:`~treeopt.errors.CheckpointInUseError` naming that
         writer. Each call first removes what a failed or killed save left.
+        Saves from several threads run one after another. A
+        read-only manager (``CheckpointManagerOptions(read_only=True)``, or a
+        directory this process cannot write) raises ``PermissionError``.
 
         Example:
             >>> import tempfile, jax.numpy as jnp, optax, treeopt
@@ -361,24 +385,32 @@ class CheckpointManager:
             ...     manager.save(0, opt), manager.save(1, opt), manager.save(opt.step + 2, opt)
             (True, False, True)
         """
-        if self._closed:
-            raise RuntimeError(
-                f"This CheckpointManager of {self.directory} is closed (close() was called): it saves "
-                "nothing more. Open a new CheckpointManager to save again."
-            )
-        step = check_step(step)
-        if self._dir.become_writer(self.manager.all_steps()):  # the first save: the lock, then tidy
-            self.manager.reload()
-        if not force and not self.manager.should_save(step):
-            return False
-        args, metadata = save_items(_saved_state(opt), params, step=step)
-        with self._cleaning_up(f"an earlier asynchronous save (step {step} was not saved)", always=True):
-            self.manager.wait_until_finished()  # as orbax's save does first; then nothing is in flight
-        with self._cleaning_up(f"saving step {step}"):
-            saved = bool(self.manager.save(step, args=args, force=force, custom_metadata=metadata))
-        self._saving = self._saving or saved
-        self._empty_deleted()  # orbax waited for the previous save, and its deletions, to finish
-        return saved
+        with self._calls:
+            if self._closed:
+                raise RuntimeError(
+                    f"This CheckpointManager of {self.directory} is closed (close() was called): it saves "
+                    "nothing more. Open a new CheckpointManager to save again."
+                )
+            if self._options.read_only:
+                raise PermissionError(
+                    f"This CheckpointManager is read-only: it was opened with "
+                    f"CheckpointManagerOptions(read_only=True), so it writes nothing in {self.directory} "
+                    f"(save of step {step!r} refused, forced or not). Open a CheckpointManager without "
+                    "read_only=True to save."
+                )
+            step = check_step(step)
+            if self._dir.become_writer(self.manager.all_steps()):  # the first save: the lock, then tidy
+                self.manager.reload()
+            if not force and not self.manager.should_save(step):
+                return False
+            args, metadata = save_items(_saved_state(opt), params, step=step)
+            with self._cleaning_up(f"an earlier asynchronous save (step {step} was not saved)", always=True):
+                self.manager.wait_until_finished()  # as orbax's save does first; then nothing is in flight
+            with self._cleaning_up(f"saving step {step}"):
+                saved = bool(self.manager.save(step, args=args, force=force, custom_metadata=metadata))
+            self._saving = self._saving or saved
+            self._empty_deleted()  # orbax waited for the previous save, and its deletions, to finish
+            return saved
 
     @contextlib.contextmanager
     def _cleaning_up(self, doing: str, always: bool = False, closing: bool = False) -> Iterator[None]:
@@ -413,7 +445,9 @@ class CheckpointManager:
 
     def _reader(self, step: int | None, verify: bool) -> Reader:
         if step is None:
-            self.manager.reload()
+            # The save in flight first: orbax forgets a step that is not on disk when it reloads.
+            self._finish_own_saves()
+            self.manager.reload()  # steps another writer made meanwhile
             step = self.latest_step()
             if step is None:
                 raise FileNotFoundError(f"No checkpoint in {self.directory}.")
@@ -444,15 +478,17 @@ class CheckpointManager:
         verify: bool = True,
     ) -> Any:
         """Restores ``step`` (default: the latest); arguments and result as :func:`restore`."""
-        return _restored(self._reader(step, verify), target, params, shardings, param_shardings, strict)
+        with self._calls:
+            return _restored(self._reader(step, verify), target, params, shardings, param_shardings, strict)
 
     def restore_state_dict(self, step: int | None = None, *, verify: bool = True) -> dict[str, Any]:
         """The optimizer state dict of ``step`` (default: the latest), with no target."""
-        return self._reader(step, verify).restore_state_dict()
+        with self._calls:
+            return self._reader(step, verify).restore_state_dict()
 
     def latest_step(self) -> int | None:
         """The newest complete step, or None."""
-        steps = self.all_steps()
+        steps = self.all_steps()  # one call at a time there
         return steps[-1] if steps else None
 
     def all_steps(self) -> Sequence[int]:
@@ -461,8 +497,9 @@ class CheckpointManager:
         This manager's own saves count: one still being written is waited for
         first, so the step just saved is listed (not warned about as incomplete).
         """
-        self._finish_own_saves()
-        return self._dir.complete(self.manager.all_steps())
+        with self._calls:
+            self._finish_own_saves()
+            return self._dir.complete(self.manager.all_steps())
 
     def _finish_own_saves(self) -> None:
         """Waits for this manager's asynchronous saves, if one may still be in flight."""
@@ -472,24 +509,26 @@ class CheckpointManager:
 
     def wait_until_finished(self) -> None:
         """Blocks until pending (async) saves are written and the steps they drop deleted."""
-        with self._cleaning_up("an asynchronous save", always=True):
-            self.manager.wait_until_finished()
-        self._empty_deleted(remove=True)
+        with self._calls:
+            with self._cleaning_up("an asynchronous save", always=True):
+                self.manager.wait_until_finished()
+            self._empty_deleted(remove=True)
 
     def close(self) -> None:
         """Waits for pending saves, releases orbax's resources and gives the directory up to other writers.
 
         A closed manager refuses :meth:`save` (a ``RuntimeError`` naming ``close``); closing again does nothing.
         """
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            with self._cleaning_up("an asynchronous save", always=True, closing=True):
-                self.manager.close()
-            self._empty_deleted(remove=True)
-        finally:
-            self._dir.release()
+        with self._calls:
+            if self._closed:
+                return
+            self._closed = True
+            try:
+                with self._cleaning_up("an asynchronous save", always=True, closing=True):
+                    self.manager.close()
+                self._empty_deleted(remove=True)
+            finally:
+                self._dir.release()
 
     def __enter__(self) -> CheckpointManager:
         return self

@@ -8,6 +8,8 @@
 - Reading never needs write access: a manager that cannot write the lock
   (an immutable or unwritable lock file, an immutable directory) lists and
   restores, and says it is read-only only when asked to save.
+- A manager opened with ``read_only=True`` refuses every save, forced or not,
+  beside a live writer or alone, and writes nothing: no lock, no tidying.
 - A closed manager refuses ``save`` naming ``close``, and its process exits
   promptly (a child process with a deadline).
 - The lock is the taking process's own: a fork()ed child's ``close()`` leaves
@@ -32,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
 import pytest
 
 import treeopt
@@ -194,6 +197,29 @@ def test_a_reader_needs_no_write_access_and_says_read_only_only_at_a_save(tmp_pa
             with pytest.raises(PermissionError, match=r"This CheckpointManager is read-only.*Reading"):
                 reader.save(3, OPT)
         assert sorted(os.listdir(root)) == before
+
+
+def test_a_read_only_manager_refuses_every_save_beside_a_live_writer_and_takes_no_lock(tmp_path):
+    read_only = ocp.CheckpointManagerOptions(read_only=True)
+    lock = tmp_path / ".treeopt-lock"
+    with manager(tmp_path) as writer:
+        assert writer.save(1, OPT)
+        held, before = lock.read_bytes(), sorted(os.listdir(tmp_path))
+        with checkpoint.CheckpointManager(tmp_path, options=read_only) as reader:
+            for step, force in ((6, True), (6, False), (1, True)):
+                with pytest.raises(PermissionError, match=r"^This CheckpointManager is read-only.*read_only=True"):
+                    reader.save(step, OPT, PARAMS, force=force)
+            assert list(reader.all_steps()) == [1] and int(reader.restore(TARGET).step) == 0
+            reader.wait_until_finished()
+        assert sorted(os.listdir(tmp_path)) == before and lock.read_bytes() == held
+        assert writer.save(2, OPT)  # the live writer's lock is its own still
+    # Alone in a directory with a killed save's debris: it tidies nothing and takes no lock either.
+    os.mkdir(tmp_path / "3.orbax-checkpoint-tmp")
+    before = sorted(os.listdir(tmp_path))
+    with checkpoint.CheckpointManager(tmp_path, options=read_only) as reader:
+        with pytest.raises(PermissionError, match=r"read-only"):
+            reader.save(7, OPT, force=True)
+    assert sorted(os.listdir(tmp_path)) == before and ".treeopt-lock" not in before
 
 
 # -- closed managers ------------------------------------------------------------------------

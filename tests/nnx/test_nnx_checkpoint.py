@@ -6,6 +6,10 @@
 - flax's own recipe, ``nnx.to_pure_dict(nnx.state(optimizer))`` through
   orbax's ``StandardCheckpointer`` and back with ``nnx.replace_by_pure_dict``,
   works on the drop-in as on ``nnx.Optimizer``.
+- A checkpoint of a flax ``nnx.Optimizer`` (or ``nnx.ModelAndOptimizer``), in
+  the layouts orbax writes its state in, is refused by ``restore`` with an
+  error that names the mismatch and the ``warm_start`` migration, never
+  restored half-way or reported as damaged.
 - nnx's hyperparameter idiom, ``opt_state.hyperparams["learning_rate"][...] = x``,
   sets the learning rate; ``Optimizer(tx, model, wrt=...)`` names the swap.
 
@@ -25,6 +29,7 @@ from flax import nnx
 import treeopt
 import treeopt.checkpoint
 import treeopt.nnx
+from treeopt.errors import StateDictError
 
 STEPS = 6
 X = jnp.linspace(-1.0, 1.0, 24).reshape(8, 3)
@@ -131,6 +136,50 @@ def test_flax_pure_dict_recipe_with_orbax(kind, tmp_path):
         nnx.update(node, state)
     assert int(optimizer.step[...]) == 2
     assert first + losses(model, optimizer, STEPS - 2) == expected
+
+
+def save_nnx_checkpoint(path, layout):
+    """Writes an ``nnx.Optimizer``'s (or ``nnx.ModelAndOptimizer``'s) state to ``path`` as orbax does.
+
+    Returns where ``treeopt.checkpoint.restore`` reads it: ``path``, or the step of a manager in it.
+    """
+    nnx_type = nnx.ModelAndOptimizer if layout == "ModelAndOptimizer" else nnx.Optimizer
+    state = nnx.state(nnx_type(make_model(), tx(), wrt=nnx.Param))
+    if layout == "manager item 'optimizer'":  # an orbax CheckpointManager with treeopt's item name
+        with ocp.CheckpointManager(path, item_names=("optimizer",)) as manager:
+            manager.save(1, args=ocp.args.Composite(optimizer=ocp.args.StandardSave(nnx.to_pure_dict(state))))
+        return path / "1"
+    checkpointer = ocp.StandardCheckpointer()  # flax's checkpointing guide
+    checkpointer.save(path, nnx.to_pure_dict(state) if layout == "pure dict" else state)
+    checkpointer.wait_until_finished()
+    return path
+
+
+NNX_LAYOUTS = ["nnx.state", "pure dict", "ModelAndOptimizer", "manager item 'optimizer'"]
+
+
+@pytest.mark.parametrize("layout", NNX_LAYOUTS)
+def test_an_nnx_optimizer_checkpoint_names_the_mismatch_and_the_warm_start_migration(tmp_path, layout):
+    where = save_nnx_checkpoint(tmp_path / "nnx", layout)
+    model = make_model()
+    dropin = treeopt.nnx.Optimizer(model, tx(), wrt=nnx.Param)
+    reads = [
+        lambda: treeopt.checkpoint.restore(where, dropin),
+        lambda: treeopt.checkpoint.restore(where, dropin, strict=False, verify=False),
+        lambda: treeopt.checkpoint.restore(where, jax.eval_shape(treeopt.Optimizer(tx()).init, model)),
+        lambda: treeopt.checkpoint.restore_state_dict(where, verify=False),
+    ]
+    if layout == "manager item 'optimizer'":
+        manager = treeopt.checkpoint.CheckpointManager(where.parent)
+        reads.append(lambda: manager.restore(dropin))
+    for read in reads:
+        with pytest.raises(StateDictError) as caught:
+            read()
+        message = str(caught.value)
+        assert message.startswith(f"The checkpoint at {where} holds the state of a flax nnx.Optimizer"), message
+        assert "keys it by the parameter's full name" in message and "uint32" in message, message
+        assert "treeopt.serialization.warm_start" in message and "docs/migration/from-nnx.md" in message, message
+        assert "ArrayMetadata" not in message and "damaged" not in message, message  # no orbax dump, no false alarm
 
 
 def test_nnx_hyperparameter_idiom_sets_the_learning_rate():

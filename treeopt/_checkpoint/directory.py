@@ -12,7 +12,9 @@
   in ``.treeopt-deleted``) is removed by the writer before each save and
   when it waits or closes, and when a manager opens a directory no one is
   writing. Only a holder of the lock removes anything, so a reader opening
-  the directory never deletes what a live writer is writing.
+  the directory never deletes what a live writer is writing; and a writer
+  whose lock file was removed or replaced by hand removes nothing more, so
+  it never deletes a second writer's saves in flight.
 - **Only complete steps.** A step directory without orbax's
   ``_CHECKPOINT_METADATA`` or the ``optimizer`` item (made by hand, or by an
   interrupted save in a layout orbax does not mark) is not a step: it is left
@@ -250,9 +252,18 @@ class ManagedDirectory:
             if tmp in entry or entry.startswith(_TRASH_PREFIX) or entry == self.deleted_subdir
         ]
 
+    def owns(self) -> bool:
+        """Whether this process writes the directory now: it became the writer and its lock is still its own.
+
+        A lock file removed or replaced by hand may have let a second writer
+        in: the debris in the directory may then be that writer's saves in
+        flight, and this one removes nothing more.
+        """
+        return self.writing and (self.lock is None or self.lock.still_held())
+
     def remove_unfinished(self) -> None:
         """Deletes what failed or killed saves left (no save of this writer may be under way)."""
-        if self.writing and self.lock is not None:
+        if self.lock is not None and self.owns():
             self._remove(os.path.join(self.root, e) for e in self._debris() if e != self.deleted_subdir)
 
     @staticmethod

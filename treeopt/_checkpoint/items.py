@@ -19,6 +19,7 @@ from typing import Any
 
 import jax
 
+from treeopt._checkpoint.foreign import nnx_optimizer_error, nnx_optimizer_signs, single_item_tree
 from treeopt._checkpoint.siblings import Siblings
 from treeopt._state import state_dict as _state_dict
 from treeopt._state.checksum import checksum
@@ -216,10 +217,16 @@ class Reader:
                 f"The checkpoint at {self.where} is damaged or incomplete: a file of it is missing ({e})."
             ) from e
         except Exception as e:
+            signs = nnx_optimizer_signs(single_item_tree(self.where))  # flax's guide writes one item alone
+            if signs:
+                raise nnx_optimizer_error(self.where, signs) from None
             raise CheckpointError(
                 f"Could not read the metadata of the checkpoint at {self.where}: it is damaged "
                 f"or incomplete (truncated, corrupted or partly deleted) ({type(e).__name__}: {e})."
             ) from e
+        signs = nnx_optimizer_signs(trees.get(OPTIMIZER_ITEM)) if not custom else []
+        if signs:  # treeopt did not write it: an nnx.Optimizer's state under treeopt's item name
+            raise nnx_optimizer_error(self.where, signs)
         if OPTIMIZER_ITEM not in trees:
             if _saved_items(custom):
                 raise CheckpointError(

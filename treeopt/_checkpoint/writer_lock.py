@@ -188,13 +188,21 @@ class WriterLock:
             raise CheckpointError(f"{self.path} is not a regular file: it cannot be {self.directory}'s lock.")
         return fd
 
+    def still_held(self) -> bool:
+        """Whether this object holds the lock and its file is still the one at the path.
+
+        False once the file was removed or replaced by hand: another writer may
+        hold the lock at the path now, and what is in the directory may be its own.
+        """
+        fd = self._fd
+        return fd is not None and self._is_at_path(fd)
+
     def check(self) -> None:
         """Raises :class:`CheckpointInUseError` if the held lock file was removed or replaced at its path.
 
         Another writer could then take a new lock beside this one; writing on would lose steps.
         """
-        fd = self._fd
-        if fd is None or self._is_at_path(fd):
+        if self._fd is None or self.still_held():
             return
         raise CheckpointInUseError(
             f"The lock file {self.path} of the checkpoint directory {self.directory}, held by this "
