@@ -1,109 +1,157 @@
-"""Block-wise 8-bit and 4-bit codes for floating optimizer state.
+"""Block-wise 8-bit and 4-bit codes for floating optimizer state, and their format.
 
-:func:`quantize` turns a float array into a :class:`QuantizedLeaf`: one
-``uint8`` code per element (4 bits: two codes per byte) and one ``float32``
-scale per block; :func:`dequantize` reads it back as a float array of the
-original shape and dtype. Both are pure, vectorized and jit-able.
+:func:`quantize` turns a float array into a :class:`QuantizedLeaf`: one code
+per element (one byte at 8 bits, two codes a byte at 4 bits) and one scale
+per block, the block's absolute maximum; :meth:`QuantizedLeaf.dequantize`
+reads it back in the original shape and dtype. Each element takes the nearest
+level of a fixed map on [-1, 1] (signed: moments) or (0, 1] (unsigned: second
+moments, which must never read as 0); the maps are in
+:mod:`treeopt._state.lowbit_maps`.
 
-Blocks. Blocks run along the LAST axis only, each at most 256 elements long
-(:func:`block_size`: the largest divisor of the last axis in [64, 256], even
-for 4 bits; failing that, 256 with a padded final block whose padding the
-codes do not hold). So a shard of any other axis never cuts a block, and a
-shard of the last axis keeps blocks whole exactly when the number of blocks
-divides by the number of shards: the scales (``shape[:-1] + (n_blocks,)``) can
-then take the same partition spec as the codes. A 1-d array is one row of
-blocks; a 0-d array is one block of one element (codes and scale 0-d too).
+**The format travels with the codes** (:class:`Format`): bits, map, block
+layout and map version are static data of the leaf, and a state dict holds
+them beside ``codes`` and ``scales`` as a small ``format`` entry
+(:meth:`Format.entry`), so nothing is inferred from shapes.
 
-Maps. Each block is divided by its absolute maximum (the scale) and every
-element takes the nearest level of a fixed map on [-1, 1]; decoding is a
-table lookup times the scale.
+**Blocks** (:func:`block_layout`). A block is at most 256 elements (128 at 4
+bits) of the array's last axes read as one row: the axes from
+``Format.axis`` on are flattened, and each such row is cut into blocks of
+``Format.block`` elements (the last one shorter when they do not divide). A
+long last axis holds whole blocks; a short one lets a block span several
+rows, so that every leaf of 4,096 elements or more pays about 1/64 byte per
+element for its scales (2.03 bytes a parameter for Adam at 8 bits, 1.06 at 4).
+A ZeRO shard of the state keeps blocks whole; a model-parallel spec that cuts
+a block makes its maximum a small reduction across devices.
 
-- Signed blocks (any element < 0) use a dynamic map, bitsandbytes' idea of an
-  exponent plus a linear fraction: decade ``k`` below 1 holds ``2**(E-1-k)``
-  evenly spaced levels, so precision follows magnitude. Exact 0 and ±1 are
-  levels. 8 bits: 7 decades, 127 levels a side (smallest 1e-6); 4 bits:
-  3 decades, 7 levels a side (smallest 0.01). One code is left over and
-  repeats 1 (never produced), keeping the map symmetric.
-- Unsigned blocks (every element >= 0: second moments, sums of squares) use
-  a map with NO zero level, so a small positive value never decodes to 0,
-  the zero-point problem of Li et al. 2023 ("Memory Efficient Optimizers
-  with 4-bit States"), where a second moment read as 0 makes an update blow
-  up. 8 bits: a dynamic map of 8 decades plus 1e-8, smallest level 1e-8 of
-  the block maximum. 4 bits: see ``_unsigned_levels``.
-  A zero in an unsigned block decodes to the smallest level times the scale.
-
-Which map a block used is stored in the sign bit of its scale at no cost: a
-negative scale (``-0.0`` included) marks the unsigned map, its magnitude is
-the block's absolute maximum. The codec so serves any optax transformation
-without knowing which field is a second moment.
-
-Adversarial blocks:
-
-- all zeros: scale 0, decodes to exact zeros;
-- one huge value: it is its block's scale and decodes exactly (it is level
-  ±1); the other elements of that block lose precision against it, other
-  blocks are untouched, bit for bit;
-- denormals: never NaN, never negative for a non-negative input; where the
-  platform flushes denormals (XLA on CPU), a block of them has scale 0 and
-  decodes to zeros; an unsigned block with a non-zero scale decodes to at
-  least the smallest normal number of the output dtype, never to 0;
-- NaN or ±inf anywhere in a block: the block's scale is NaN and the whole
-  block decodes to NaN, so the failure stays visible and is never read as a
-  finite wrong number; other blocks are untouched, bit for bit.
+**Storage.** 8-bit codes have the array's own shape, so they take its
+partition spec; 4-bit codes pair neighbours of the flattened trailing axes
+(``codes.shape`` is the array's with its last axis halved when that is even).
+Scales are ``shape[:axis] + (blocks per row,)``, float32 (float64 for float64
+arrays). A block of zeros has scale 0 and decodes to exact zeros; a block
+holding NaN or an infinity has scale NaN and decodes to NaN entirely, so the
+failure stays visible, and other blocks are untouched.
 
 Example:
     >>> import jax.numpy as jnp
     >>> q = quantize(jnp.linspace(-1.0, 1.0, 512).reshape(2, 256), bits=8)
     >>> q.codes.shape, q.scales.shape, bytes_of(q)
     ((2, 256), (2, 1), 520)
-    >>> bool(jnp.abs(q.dequantize() - jnp.linspace(-1.0, 1.0, 512).reshape(2, 256)).max() < 8e-3)
+    >>> bool(jnp.abs(q.dequantize() - jnp.linspace(-1.0, 1.0, 512).reshape(2, 256)).max() < 0.02)
     True
 """
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 import math
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+import flax.serialization
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec
 
-__all__ = ["QuantizedLeaf", "block_size", "bytes_of", "dequantize", "is_quantized", "quantize"]
+from treeopt._state import lowbit_maps
 
-_MAX_BLOCK = 256
-_MIN_BLOCK = 64
+__all__ = [
+    "FORMAT_VERSION",
+    "Format",
+    "QuantizedLeaf",
+    "block_layout",
+    "bytes_of",
+    "constant",
+    "dequantize",
+    "is_quantized",
+    "quantize",
+]
+
+FORMAT_VERSION = 2
+"""The version of the maps and layout written today; version 1 (no ``format`` entry) still loads."""
+
+_MAX_BLOCK = {8: 256, 4: 128}
+# The bytes per element a layout should cost (codes and scales) to keep Adam at <= 2.05 / 1.07 B/param.
+_TARGET_BYTES = {8: 1.025, 4: 0.535}
+
+
+@dataclasses.dataclass(frozen=True)
+class Format:
+    """How a :class:`QuantizedLeaf`'s codes are laid out and read.
+
+    Attributes:
+        bits: 8 or 4.
+        signed: the signed map (exact 0 and +-1) or the unsigned one (no zero level).
+        axis: the axes from ``axis`` on are read as one row, cut into blocks.
+        block: the number of elements of a block.
+        version: the version of the maps and layout (:data:`FORMAT_VERSION`).
+
+    Example:
+        >>> fmt = Format(bits=8, signed=False, axis=0, block=256)
+        >>> fmt.entry(), Format.from_entry(fmt.entry()) == fmt
+        (array([  2,   8,   0,   0, 256], dtype=int32), True)
+    """
+
+    bits: int
+    signed: bool
+    axis: int
+    block: int
+    version: int = FORMAT_VERSION
+
+    def entry(self) -> np.ndarray:
+        """The format as the ``format`` entry of a state dict: ``int32[version, bits, signed, axis, block]``."""
+        return np.array([self.version, self.bits, int(self.signed), self.axis, self.block], np.int32)
+
+    @classmethod
+    def from_entry(cls, entry: Any) -> Format:
+        """The format a state dict's ``format`` entry describes; ``ValueError`` for one this version cannot read."""
+        values = [int(v) for v in np.asarray(entry).reshape(-1)]
+        if len(values) != 5 or values[0] != FORMAT_VERSION or values[1] not in (8, 4) or values[2] not in (0, 1):
+            raise ValueError(
+                f"unknown low-bit format {values}: expected [version {FORMAT_VERSION}, bits 8 or 4, signed 0 "
+                "or 1, axis, block] (saved by a newer treeopt?)"
+            )
+        return cls(bits=values[1], signed=bool(values[2]), axis=values[3], block=values[4], version=values[0])
+
+    def describe(self) -> str:
+        """A short readable form: ``"8-bit signed, blocks of 256 from axis 1"``.
+
+        Example:
+            >>> Format(4, True, 0, 128).describe()
+            '4-bit signed, blocks of 128 from axis 0'
+        """
+        kind = "signed" if self.signed else "unsigned"
+        return f"{self.bits}-bit {kind}, blocks of {self.block} from axis {self.axis}"
 
 
 @jax.tree_util.register_pytree_with_keys_class
 class QuantizedLeaf:
-    """A float array held as block-wise low-bit codes and a float32 scale per block.
+    """A float array held as block-wise low-bit ``codes`` and one ``scales`` entry per block.
 
-    The pytree children are ``codes`` and ``scales``; ``shape``, ``dtype`` (its
-    name), ``bits`` and ``block`` are static aux data, so a ``QuantizedLeaf``
-    passes in and out of ``jit`` and ``eval_shape`` keeping them.
+    The pytree children are ``codes`` and ``scales``; the shape, dtype and
+    :class:`Format` are static aux data, so a ``QuantizedLeaf`` passes in and
+    out of ``jit`` and ``eval_shape`` keeping them. It answers for its own
+    partition specs (:meth:`partition_specs`) and for the axes a ZeRO shard
+    may take (:meth:`zero_axes`), as flax's ``AxisMetadata`` does for boxed
+    params.
 
     Example:
         >>> import jax, jax.numpy as jnp
-        >>> q = quantize(jnp.ones((3, 5), jnp.bfloat16), bits=4)
-        >>> q.shape, q.dtype, q.ndim, q.size, q.codes.shape, q.scales.shape
-        ((3, 5), dtype(bfloat16), 2, 15, (3, 3), (3, 1))
+        >>> q = quantize(jnp.ones((3, 64), jnp.bfloat16), bits=4, signed=False)
+        >>> q.shape, q.dtype, q.codes.shape, q.scales.shape, q.format.block
+        ((3, 64), dtype(bfloat16), (96,), (2,), 96)
         >>> q.dequantize().dtype, [leaf.dtype for leaf in jax.tree.leaves(q)]
         (dtype(bfloat16), [dtype('uint8'), dtype('float32')])
     """
 
-    __slots__ = ("_dtype_name", "_shape", "bits", "block", "codes", "scales")
+    __slots__ = ("_dtype_name", "_shape", "codes", "format", "scales")
 
-    def __init__(
-        self, codes: Any, scales: Any, *, shape: tuple[int, ...], dtype: str, bits: int, block: int
-    ) -> None:
+    def __init__(self, codes: Any, scales: Any, *, shape: Sequence[int], dtype: Any, format: Format) -> None:
         self.codes = codes
         self.scales = scales
-        self._shape = tuple(shape)
-        self._dtype_name = str(dtype)
-        self.bits = bits
-        self.block = block
+        self._shape = tuple(int(d) for d in shape)
+        self._dtype_name = np.dtype(dtype).name
+        self.format = format
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -114,6 +162,16 @@ class QuantizedLeaf:
     def dtype(self) -> np.dtype:
         """The original array's dtype, which :meth:`dequantize` returns."""
         return jnp.dtype(self._dtype_name)
+
+    @property
+    def bits(self) -> int:
+        """8 or 4."""
+        return self.format.bits
+
+    @property
+    def block(self) -> int:
+        """The number of elements a scale covers."""
+        return self.format.block
 
     @property
     def ndim(self) -> int:
@@ -131,9 +189,64 @@ class QuantizedLeaf:
         Example:
             >>> import jax.numpy as jnp
             >>> quantize(jnp.array([0.0, 0.5, -1.0]), bits=8).dequantize()
-            Array([ 0.     ,  0.49375, -1.     ], dtype=float32)
+            Array([ 0. ,  0.5, -1. ], dtype=float32)
         """
         return dequantize(self)
+
+    def partition_specs(self, param_spec: PartitionSpec, axis_sizes: Mapping[str, int] | None = None) -> Any:
+        """This leaf with a ``PartitionSpec`` for its codes and its scales, from its parameter's spec.
+
+        8-bit codes take the parameter's spec; 4-bit codes keep the entries of
+        the axes before their rows. The scales keep those too, and the entry of
+        the axis blocks start on where every shard holds whole blocks: with
+        ``axis_sizes``, the mesh axes' sizes, that is checked; without them it
+        is dropped.
+
+        Example:
+            >>> import jax.numpy as jnp
+            >>> from jax.sharding import PartitionSpec as P
+            >>> q = quantize(jnp.ones((64, 512)), bits=8)
+            >>> specs = q.partition_specs(P("data", "model"))
+            >>> specs.codes == P("data", "model"), specs.scales == P("data")
+            (True, True)
+            >>> q.partition_specs(P("data", "model"), {"data": 8, "model": 2}).scales == P("data", "model")
+            True
+        """
+        entries = _padded(param_spec, self.ndim)
+        codes = _codes_entries(self, entries, axis_sizes)
+        scales = _scales_entries(self, entries, axis_sizes)
+        return QuantizedLeaf(
+            _spec(codes), _spec(scales), shape=self._shape, dtype=self._dtype_name, format=self.format
+        )
+
+    def zero_axes(self, param_spec: PartitionSpec, shards: int) -> list[int]:
+        """The axes of the parameter a ZeRO shard of ``1 / shards`` may take, keeping whole blocks and bytes.
+
+        Axes the parameter's spec already uses are not offered. An axis before
+        ``format.axis`` always keeps blocks whole; ``format.axis`` itself when
+        each shard's rows hold whole blocks; later axes never.
+
+        Example:
+            >>> import jax.numpy as jnp
+            >>> from jax.sharding import PartitionSpec as P
+            >>> q = quantize(jnp.ones((64, 512)), bits=8)   # blocks of 256 along the last axis
+            >>> q.zero_axes(P(), 2), q.zero_axes(P(), 8), q.zero_axes(P("data"), 2)
+            ([0, 1], [0], [1])
+        """
+        entries = _padded(param_spec, self.ndim)
+        return [
+            a
+            for a in range(self.ndim)
+            if entries[a] is None and self._shape[a] % shards == 0 and self._splits_whole(a, shards)
+        ]
+
+    def _splits_whole(self, axis: int, shards: int) -> bool:
+        """Whether cutting ``axis`` in ``shards`` equal parts keeps every block and every byte whole."""
+        fmt, shape = self.format, self._shape
+        piece = shape[axis] // shards * math.prod(shape[axis + 1 :])  # elements of one part, per row above
+        if axis > fmt.axis or (axis == fmt.axis and (_row(self) % fmt.block or piece % fmt.block)):
+            return False
+        return fmt.bits == 8 or axis < fmt.axis  # 4-bit bytes pair the two halves of a row
 
     def tree_flatten_with_keys(self) -> tuple[tuple[tuple[Any, Any], ...], tuple[Any, ...]]:
         keys = jax.tree_util.GetAttrKey
@@ -141,18 +254,48 @@ class QuantizedLeaf:
 
     @classmethod
     def tree_unflatten(cls, aux: tuple[Any, ...], children: Any) -> QuantizedLeaf:
-        shape, dtype, bits, block = aux
+        shape, dtype, fmt = aux
         codes, scales = children
-        return cls(codes, scales, shape=shape, dtype=dtype, bits=bits, block=block)
+        return cls(codes, scales, shape=shape, dtype=dtype, format=fmt)
 
     def _aux(self) -> tuple[Any, ...]:
-        return (self._shape, self._dtype_name, self.bits, self.block)
+        return (self._shape, self._dtype_name, self.format)
 
     def __repr__(self) -> str:
-        return (
-            f"QuantizedLeaf(shape={self._shape}, dtype={self._dtype_name}, bits={self.bits}, "
-            f"block={self.block})"
+        return f"QuantizedLeaf(shape={self._shape}, dtype={self._dtype_name}, {self.format.describe()})"
+
+
+def describe_entry(entry: Any) -> str:
+    """A state dict's ``format`` entry in words, for error messages.
+
+    Example:
+        >>> describe_entry(Format(8, True, 1, 256).entry())
+        'format [2, 8, 1, 1, 256] (8-bit signed, blocks of 256 from axis 1)'
+    """
+    values = np.asarray(entry).reshape(-1).tolist()
+    try:
+        return f"format {values} ({Format.from_entry(entry).describe()})"
+    except ValueError:
+        return f"format {values}"
+
+
+def _to_state_dict(q: QuantizedLeaf) -> dict[str, Any]:
+    return {"codes": q.codes, "scales": q.scales, "format": q.format.entry()}
+
+
+def _from_state_dict(target: QuantizedLeaf, state: Mapping[str, Any]) -> QuantizedLeaf:
+    if "format" in state and Format.from_entry(state["format"]) != target.format:
+        raise ValueError(
+            f"low-bit state of format {Format.from_entry(state['format']).describe()} cannot restore into "
+            f"{target.format.describe()}: convert it with treeopt.serialization.warm_start."
         )
+    return QuantizedLeaf(
+        state["codes"], state["scales"], shape=target.shape, dtype=target.dtype, format=target.format
+    )
+
+
+# A state dict holds a low-bit leaf as its codes, its scales and its format (Format.entry).
+flax.serialization.register_serialization_state(QuantizedLeaf, _to_state_dict, _from_state_dict)
 
 
 def is_quantized(x: Any) -> bool:
@@ -173,102 +316,242 @@ def bytes_of(q: Any) -> int:
         >>> import jax.numpy as jnp
         >>> x = jnp.zeros((1024, 1024))
         >>> bytes_of(quantize(x, bits=8)), bytes_of(quantize(x, bits=4)), bytes_of(x)
-        (1064960, 540672, 4194304)
+        (1064960, 557056, 4194304)
     """
     return sum(math.prod(np.shape(leaf)) * jnp.dtype(leaf.dtype).itemsize for leaf in jax.tree.leaves(q))
 
 
-def block_size(last_dim: int, bits: int) -> int:
-    """The block length along the last axis of an array whose last axis is ``last_dim`` long.
+# -- layout ----------------------------------------------------------------------------------------
 
-    A whole last axis of at most 256 is one block; a longer one gets the largest
-    divisor in [64, 256] (even for 4 bits, so no byte holds codes of two blocks),
-    or 256 with a padded final block when there is none.
+
+def block_layout(shape: Sequence[int], bits: int) -> tuple[int, int]:
+    """``(axis, block)``: the axes from ``axis`` on form a row cut into blocks of ``block`` elements.
+
+    The latest axis whose rows give blocks of at most 256 elements (128 at 4
+    bits) costing at most 1.025 (0.535) bytes per element with their scales;
+    a block that divides its row is preferred (a ZeRO shard of the row then
+    keeps whole blocks), else the last block of each row is shorter. The
+    layout follows the array's shape alone, so a sharded optimizer steps
+    exactly as an unsharded one does.
 
     Example:
-        >>> block_size(4096, 8), block_size(1000, 8), block_size(1001, 8), block_size(1001, 4)
-        (256, 250, 143, 256)
-        >>> block_size(100, 8), block_size(7, 4), block_size(257, 8)
-        (100, 8, 256)
+        >>> block_layout((1024, 4096), 8), block_layout((128, 64), 8), block_layout((8192, 1), 4)
+        ((1, 256), (0, 256), (0, 128))
+        >>> block_layout((64, 4, 64), 8), block_layout((96, 96), 8), block_layout((1000, 150), 8)
+        ((1, 256), (0, 256), (0, 240))
     """
     _check_bits(bits)
-    if last_dim <= _MAX_BLOCK:
-        block = max(last_dim, 1)
-        return block + block % 2 if bits == 4 else block
-    step = 2 if bits == 4 else 1
-    for block in range(_MAX_BLOCK, _MIN_BLOCK - 1, -step):
-        if last_dim % block == 0:
-            return block
-    return _MAX_BLOCK
+    shape = tuple(int(d) for d in shape) or (1,)
+    best: tuple[float, int, int] | None = None
+    for axis in reversed(range(len(shape))):
+        row = math.prod(shape[axis:])
+        for block in _blocks_for(row, bits):
+            cost = _bytes_per_element(row, block, bits)
+            if cost <= _TARGET_BYTES[bits]:
+                return axis, block
+            if best is None or cost < best[0]:
+                best = (cost, axis, block)
+    assert best is not None
+    return best[1], best[2]
 
 
-def quantize(x: Any, bits: int) -> QuantizedLeaf:
-    """``x`` as block-wise ``bits``-bit codes (8 or 4) and a float32 scale per block.
+def _blocks_for(row: int, bits: int) -> list[int]:
+    """Block lengths for rows of ``row`` elements, best first: all of it when short, else the largest fitting
+    divisor, then the longest block with a shorter last one."""
+    largest = _MAX_BLOCK[bits]
+    if row <= largest:
+        return [max(row + row % 2 if bits == 4 else row, 1)]
+    smallest, step = largest * 5 // 8, 8 if bits == 8 else 4  # the block maxima take eight (four) at a time
+    found = [block for block in range(largest, smallest - 1, -step) if row % block == 0][:1]
+    return [*found, largest]
 
-    Pure and jit-able (``bits`` is a Python int). Blocks whose elements are all
-    >= 0 use the unsigned map and carry a negative scale; see the module docstring.
+
+def _bytes_per_element(row: int, block: int, bits: int) -> float:
+    return (math.ceil(row * bits / 8) + 4 * math.ceil(row / block)) / row
+
+
+def _row(q: QuantizedLeaf | Any) -> int:
+    return math.prod(q.shape[q.format.axis :]) if q.shape else 1
+
+
+def _blocks_per_row(shape: Sequence[int], fmt: Format) -> int:
+    return -(-math.prod(tuple(shape)[fmt.axis :]) // fmt.block) if shape else 1
+
+
+def codes_shape(shape: Sequence[int], fmt: Format) -> tuple[int, ...]:
+    """The shape of the codes of an array of ``shape`` in ``fmt``.
+
+    8-bit codes have the array's shape. 4-bit codes are each row's bytes:
+    ``shape[:axis] + (ceil(row / 2),)``, the row's second half in the high
+    nibbles of its first half's bytes.
+
+    Example:
+        >>> codes_shape((96, 96), Format(4, True, 0, 128)), codes_shape((8, 1024), Format(4, True, 1, 128))
+        ((4608,), (8, 512))
+    """
+    shape = tuple(shape)
+    if fmt.bits == 8 or not shape:
+        return shape
+    return (*shape[: fmt.axis], -(-math.prod(shape[fmt.axis :]) // 2))
+
+
+def scales_shape(shape: Sequence[int], fmt: Format) -> tuple[int, ...]:
+    """The shape of the scales of an array of ``shape`` in ``fmt``: one per block, by the axes before the blocks.
+
+    Example:
+        >>> scales_shape((128, 64), Format(8, True, 0, 256)), scales_shape((64, 4, 64), Format(8, True, 1, 256))
+        ((32,), (64, 1))
+    """
+    shape = tuple(shape)
+    if not shape:
+        return ()
+    return (*shape[: fmt.axis], _blocks_per_row(shape, fmt))
+
+
+# -- encoding and decoding -------------------------------------------------------------------------
+
+
+def quantize(x: Any, bits: int, *, signed: bool = True, fmt: Format | None = None) -> QuantizedLeaf:
+    """``x`` as block-wise ``bits``-bit codes (8 or 4) and a scale per block.
+
+    ``signed=False`` takes the map without a zero level, for values that are
+    never negative (negative ones read as its smallest level). ``fmt`` gives
+    the layout (a state's own, when re-encoding); by default
+    :func:`block_layout` picks it. Pure and jit-able.
 
     Example:
         >>> import jax, jax.numpy as jnp
         >>> q = jax.jit(quantize, static_argnums=1)(jnp.array([[1.0, 0.25], [-2.0, 0.0]]), 8)
-        >>> q.scales.ravel()
-        Array([-1.,  2.], dtype=float32)
+        >>> q.scales, q.format.describe()
+        (Array([2.], dtype=float32), '8-bit signed, blocks of 4 from axis 0')
         >>> q.dequantize().tolist()
-        [[1.0, 0.24765625596046448], [-2.0, 0.0]]
+        [[1.0, 0.25], [-2.0, 0.0]]
     """
     _check_bits(bits)
     x = jnp.asarray(x)
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise TypeError(f"quantize takes a floating-point array, got {x.dtype}.")
-    rows = x.reshape(x.shape or (1,)).astype(jnp.float32)
-    last = rows.shape[-1]
-    block = block_size(last, bits)
-    blocks = _to_blocks(rows, block)
-    absmax = jnp.max(jnp.abs(blocks), axis=-1)
-    finite = jnp.all(jnp.isfinite(blocks), axis=-1)
-    usable = finite & (absmax > 0)
-    unsigned = jnp.all(blocks >= 0, axis=-1)
-    normalized = jnp.where(usable[..., None], _divide_by(blocks, jnp.where(usable, absmax, 1.0)), 0.0)
-    codes = _nearest_codes(normalized, unsigned[..., None], bits)
-    codes = codes.reshape((*rows.shape[:-1], codes.shape[-2] * block))[..., :last]
-    if bits == 4:
-        codes = _pack_nibbles(codes)
-    magnitude = jnp.where(finite, jnp.where(usable, absmax, 0.0), jnp.nan)
-    scales = jnp.where(unsigned, -magnitude, magnitude)
-    if not x.shape:
-        codes, scales = codes.reshape(()), scales.reshape(())
-    return QuantizedLeaf(codes, scales, shape=x.shape, dtype=x.dtype.name, bits=bits, block=block)
+    if fmt is None:
+        axis, block = block_layout(x.shape, bits)
+        fmt = Format(bits=bits, signed=signed, axis=axis, block=block)
+    return encode_with(x, block_maxima(x, fmt), fmt)
+
+
+def block_maxima(x: Any, fmt: Format) -> jax.Array:
+    """The absolute maximum of each block of ``x`` in the layout of ``fmt`` (NaN where a block is not finite).
+
+    The maxima of eight neighbours (four at 4 bits) are taken first,
+    elementwise: XLA fuses that into the loop that computes ``x``, so only an
+    eighth of it is written out for the reduction.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> block_maxima(jnp.array([[1.0, -3.0], [2.0, jnp.inf]]), Format(8, True, 1, 2)).tolist()
+        [[3.0], [nan]]
+    """
+    x = jnp.asarray(x)
+    compute = _compute_dtype(x.dtype)
+    magnitude = jnp.abs(x.astype(compute))
+    blocks = _blocked(magnitude, x.shape, fmt, pad=0)
+    fan = 8 if fmt.bits == 8 else 4
+    if fmt.block % fan == 0:
+        # The bits of a non-negative float order like the float, NaN above infinity: a maximum by
+        # integer comparison keeps NaN. As a select it stays a loop XLA fuses the values into.
+        as_int = jnp.int64 if compute == jnp.float64 else jnp.int32
+        parts = [jax.lax.bitcast_convert_type(blocks[..., i::fan], as_int) for i in range(fan)]
+        while len(parts) > 1:
+            parts = [jnp.where(a > b, a, b) for a, b in zip(parts[::2], parts[1::2], strict=True)]
+        blocks = jax.lax.bitcast_convert_type(parts[0], compute)
+    maxima = jnp.max(blocks, axis=-1)
+    return jnp.where(jnp.isfinite(maxima), maxima, jnp.nan).reshape(scales_shape(x.shape, fmt))
+
+
+def encode_with(x: Any, maxima: Any, fmt: Format) -> QuantizedLeaf:
+    """``x`` encoded against the block ``maxima`` given (from :func:`block_maxima` of ``x``, or of the same values).
+
+    Elements beyond their block's maximum read as +-1 times it; a block whose
+    maximum is 0 reads as zeros, one whose maximum is NaN as NaN.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> x = jnp.array([0.5, -1.0])
+        >>> fmt = Format(8, True, 0, 2)
+        >>> encode_with(x, block_maxima(x, fmt), fmt).dequantize()
+        Array([ 0.5, -1. ], dtype=float32)
+    """
+    x = jnp.asarray(x)
+    compute = _compute_dtype(x.dtype)
+    maxima = jnp.asarray(maxima, compute)
+    # 1 / maximum is denormal (flushed to 0 on CPU) above 2**126: such blocks are scaled down first.
+    big = maxima > 2.0**100
+    pre = jnp.where(big, np.asarray(2.0**-64, compute), np.asarray(1.0, compute))
+    usable = maxima > 0  # False for 0 and NaN
+    inverse = jnp.where(usable, 1 / jnp.where(usable, maxima * pre, 1), 0)
+    y = x.astype(compute) * _broadcast(pre, x.shape, fmt) * _broadcast(inverse, x.shape, fmt)
+    y = jnp.clip(y, -1.0, 1.0).astype(jnp.float32)
+    if not fmt.signed:
+        y = jnp.maximum(y, 0)
+    codes = lowbit_maps.encode(y, fmt.bits, fmt.signed).astype(jnp.uint8)
+    if fmt.bits == 4:
+        codes = _pack(codes, fmt)
+    return QuantizedLeaf(codes, maxima.astype(_scales_dtype(x.dtype)), shape=x.shape, dtype=x.dtype, format=fmt)
 
 
 def dequantize(q: QuantizedLeaf) -> jax.Array:
     """The float array ``q`` stands for, in its original shape and dtype.
 
-    A table lookup per code times its block's scale; the sign bit of the scale
-    picks the map. Pure and jit-able.
+    Each code's level times its block's scale. An unsigned block with a
+    positive scale never reads 0: its smallest level is kept at least at the
+    smallest positive number of the output dtype (float16's subnormals
+    included). Pure and jit-able.
 
     Example:
         >>> import jax.numpy as jnp
         >>> dequantize(quantize(jnp.array([3.0, -1.5, 0.0], jnp.bfloat16), bits=8))
-        Array([3, -1.48438, 0], dtype=bfloat16)
-        >>> dequantize(quantize(jnp.array([0.0, 0.5, 1.0]), bits=8))  # unsigned: no zero level
-        Array([9.9999999e-09, 5.0078124e-01, 1.0000000e+00], dtype=float32)
+        Array([3, -1.5, 0], dtype=bfloat16)
+        >>> dequantize(quantize(jnp.array([0.0, 0.5, 1.0]), bits=8, signed=False))  # no zero level
+        Array([1.9073486e-06, 5.0000000e-01, 1.0000000e+00], dtype=float32)
     """
-    codes, scales = q.codes, q.scales
-    if not q.shape:
-        codes, scales = codes.reshape(1), scales.reshape(1)
-    last = codes.shape[-1] if q.bits == 8 else (q.shape[-1] if q.shape else 1)
-    if q.bits == 4:
-        codes = _unpack_nibbles(codes, last)
-    n_levels = 2**q.bits
-    unsigned = jnp.signbit(scales)[..., None]
-    magnitude = jnp.abs(scales)[..., None]
-    index = _to_blocks(codes.astype(jnp.int32), q.block) + jnp.where(unsigned, n_levels, 0)
-    values = jnp.asarray(_levels(q.bits))[index] * magnitude
-    # A level times a tiny scale can underflow the output dtype; an unsigned block must not read as 0.
-    floor = jnp.float32(jnp.finfo(q.dtype).smallest_normal)
-    values = jnp.where(unsigned & (magnitude > 0), jnp.maximum(values, floor), values)
-    values = values.reshape((*values.shape[:-2], values.shape[-2] * q.block))[..., :last]
-    return values.reshape(q.shape).astype(q.dtype)
+    fmt = q.format
+    codes = _unpack(q.codes, q.shape, fmt) if fmt.bits == 4 else q.codes
+    compute = _compute_dtype(q.dtype)
+    scales = jnp.asarray(q.scales).astype(compute)
+    values = lowbit_maps.decode(codes, fmt.bits, fmt.signed).astype(compute) * _broadcast(scales, q.shape, fmt)
+    if not fmt.signed:
+        tiny = max(float(jnp.finfo(q.dtype).smallest_subnormal), float(jnp.finfo(compute).smallest_normal))
+        floor = jnp.where(scales > 0, np.asarray(tiny, compute), np.asarray(0, compute))
+        values = jnp.maximum(values, _broadcast(floor, q.shape, fmt))
+    return values.astype(q.dtype)
+
+
+def constant(value: float, shape: Sequence[int], dtype: Any, fmt: Format) -> QuantizedLeaf:
+    """The codes of an array of ``shape`` filled with ``value``, built directly rather than computed.
+
+    Every element is its block's maximum: the code of +-1 (or the unsigned
+    top), and ``|value|`` as every scale (0 for zeros). ``jit`` of an ``init``
+    then holds two broadcast constants, not an encoder for XLA to fold.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> q = constant(0.0, (64, 64), jnp.float32, Format(8, True, 0, 256))
+        >>> q.codes.shape, q.scales.shape, float(jnp.abs(q.dequantize()).max())
+        ((64, 64), (16,), 0.0)
+        >>> constant(-0.5, (4,), jnp.float32, Format(4, True, 0, 4)).dequantize()
+        Array([-0.5, -0.5, -0.5, -0.5], dtype=float32)
+    """
+    shape = tuple(shape)
+    if value != value or value in (float("inf"), float("-inf")):
+        scale, level = float("nan"), 1.0
+    else:
+        scale, level = abs(value), (-1.0 if value < 0 else 1.0)
+    if not fmt.signed:
+        level = 1.0
+    with jax.ensure_compile_time_eval():  # a Python int, also while an init is traced
+        code = int(lowbit_maps.encode(np.float32(level if scale else 0.0), fmt.bits, fmt.signed))
+    byte = code | (code << 4) if fmt.bits == 4 else code
+    codes = jnp.full(codes_shape(shape, fmt), byte, jnp.uint8)
+    scales = jnp.full(scales_shape(shape, fmt), scale, _scales_dtype(dtype))
+    return QuantizedLeaf(codes, scales, shape=shape, dtype=dtype, format=fmt)
 
 
 def _check_bits(bits: Any) -> None:
@@ -276,121 +559,108 @@ def _check_bits(bits: Any) -> None:
         raise ValueError(f"bits must be 8 or 4, got {bits!r}.")
 
 
-def _to_blocks(rows: jax.Array, block: int) -> jax.Array:
-    """``rows`` (..., L) zero-padded to whole blocks and split: (..., n_blocks, block)."""
-    last = rows.shape[-1]
-    n_blocks = -(-last // block)
-    pad = [(0, 0)] * (rows.ndim - 1) + [(0, n_blocks * block - last)]
-    return jnp.pad(rows, pad).reshape((*rows.shape[:-1], n_blocks, block))
+def _compute_dtype(dtype: Any) -> Any:
+    return jnp.float64 if jnp.dtype(dtype) == jnp.float64 else jnp.float32
 
 
-def _divide_by(blocks: jax.Array, absmax: jax.Array) -> jax.Array:
-    """``blocks / absmax[..., None]`` without ever forming a denormal ``1 / absmax``.
+def _scales_dtype(dtype: Any) -> Any:
+    """float32 scales, float64 for float64 arrays: a float64 moment beyond float32's range stays finite."""
+    return jnp.float64 if jnp.dtype(dtype) == jnp.float64 else jnp.float32
 
-    XLA may divide by multiplying with the reciprocal, and ``1 / 3e38`` flushes
-    to 0 where denormals do (CPU): the absmax's power of two is taken off
-    exactly first, in two halves that each stay normal, leaving a divisor in [0.5, 1).
+
+def _blocked(x: jax.Array, shape: Sequence[int], fmt: Format, pad: Any) -> jax.Array:
+    """``x`` (of ``shape``) as ``shape[:axis] + (blocks per row, block)``, rows padded with ``pad``."""
+    shape = tuple(shape) or (1,)
+    rows = x.reshape((*shape[: fmt.axis], math.prod(shape[fmt.axis :])))
+    n_blocks = -(-rows.shape[-1] // fmt.block)
+    extra = n_blocks * fmt.block - rows.shape[-1]
+    if extra:
+        rows = jnp.pad(rows, [(0, 0)] * (rows.ndim - 1) + [(0, extra)], constant_values=pad)
+    return rows.reshape((*rows.shape[:-1], n_blocks, fmt.block))
+
+
+def _broadcast(per_block: jax.Array, shape: Sequence[int], fmt: Format) -> jax.Array:
+    """One value per block spread over the elements of an array of ``shape``."""
+    shape = tuple(shape)
+    if not shape:
+        return per_block.reshape(())
+    row = math.prod(shape[fmt.axis :])
+    lead = shape[: fmt.axis]
+    n_blocks = per_block.shape[-1]
+    spread = jnp.broadcast_to(per_block[..., None], (*lead, n_blocks, fmt.block))
+    spread = spread.reshape((*lead, n_blocks * fmt.block))
+    if n_blocks * fmt.block != row:
+        spread = spread[..., :row]
+    return spread.reshape(shape)
+
+
+def _pack(codes: jax.Array, fmt: Format) -> jax.Array:
+    """4-bit codes two to a byte: each row's first half in the low nibbles, its second half in the high ones.
+
+    A row is the flattened axes from ``fmt.axis`` on (padded to an even
+    length). Pairing halves keeps unpacking to one concatenation of contiguous
+    halves, which XLA fuses into the loops that read the codes at little cost;
+    the halves are paired by a swap of axes and read as 16-bit words,
+    elementwise work XLA vectorizes (pairing neighbours, or slicing halves
+    apart, costs it three to ten times more). The price: a shard may split the
+    axes before ``fmt.axis``, not the row itself.
     """
-    mantissa, exponent = jnp.frexp(absmax)
-    half = exponent // 2
-    scaled = blocks * _power_of_two(-half)[..., None] * _power_of_two(half - exponent)[..., None]
-    return scaled / mantissa[..., None]
+    shape = tuple(codes.shape)
+    lead = shape[: fmt.axis]
+    rows = codes.reshape((*lead, math.prod(shape[fmt.axis :]) if shape else 1))
+    if rows.shape[-1] % 2:
+        rows = jnp.pad(rows, [(0, 0)] * len(lead) + [(0, 1)])
+    halves = rows.reshape((*lead, 2, rows.shape[-1] // 2))
+    words = jax.lax.bitcast_convert_type(jnp.swapaxes(halves, -1, -2), jnp.uint16)  # first half: low byte
+    packed = ((words & 0xF) | ((words >> 4) & 0xF0)).astype(jnp.uint8)
+    return packed.reshape(codes_shape(shape, fmt))
 
 
-def _power_of_two(n: jax.Array) -> jax.Array:
-    """2.0**n as float32, exact, for integers n in [-126, 127]: the exponent bits set directly."""
-    return jax.lax.bitcast_convert_type((n.astype(jnp.int32) + 127) << 23, jnp.float32)
+def _unpack(packed: jax.Array, shape: Sequence[int], fmt: Format) -> jax.Array:
+    shape = tuple(shape)
+    row = math.prod(shape[fmt.axis :]) if shape else 1
+    bytes_ = packed.reshape((*shape[: fmt.axis], -(-row // 2)))
+    codes = jnp.concatenate([bytes_ & 0xF, bytes_ >> 4], axis=-1)
+    if codes.shape[-1] != row:
+        codes = codes[..., :row]
+    return codes.reshape(shape)
 
 
-def _nearest_codes(normalized: jax.Array, unsigned: jax.Array, bits: int) -> jax.Array:
-    """The index of the nearest level of each block's map, by arithmetic on the maps' structure.
-
-    Each decade of a dynamic map is an even grid whose ends are levels too, so
-    the nearest level of a value is found in its decade by one rounding: no
-    table lookups, which on a CPU cost more than the rest of the step together.
-    The 4-bit unsigned map is one even grid. ``_levels`` stays the one
-    definition of the maps; a test checks these codes against the nearest
-    level found by brute force.
-    """
-    y = jnp.abs(normalized)
-    n_signed = bits - 1
-    half = 2**n_signed - 1  # the index of 0 in the signed map: the negative levels come first
-    k = _dynamic_index(y, n_signed, below=0.0)
-    signed = jnp.where(k < 0, half, jnp.where(normalized < 0, half - 1 - k, half + 1 + k))
-    if bits == 8:
-        unsigned_codes = _dynamic_index(y, 8, below=float(_unsigned_levels(8)[0])) + 1
-    else:
-        unsigned_codes = jnp.clip(jnp.round(y * 16) - 1, 0, 15).astype(jnp.int32)
-    return jnp.where(unsigned, unsigned_codes, signed).astype(jnp.uint8)
+def _padded(spec: PartitionSpec, ndim: int) -> list[Any]:
+    return [*spec, *([None] * (ndim - len(spec)))][:ndim]
 
 
-def _dynamic_index(y: jax.Array, n_decades: int, below: float) -> jax.Array:
-    """The index in ``_dynamic_magnitudes(n_decades)`` of the level nearest ``y`` in [0, 1]; -1 for ``below``.
-
-    ``below`` is the level under the smallest one (0 in a signed map).
-    """
-    decade = jnp.floor(jnp.log10(jnp.maximum(y, 1e-30))).astype(jnp.int32) + n_decades
-    decade = jnp.clip(decade, 0, n_decades - 1)  # decade d spans (10**(d-n), 10**(d-n+1)]
-    top = jnp.power(jnp.float32(10.0), (decade - n_decades + 1).astype(jnp.float32))
-    steps = jnp.left_shift(1, decade)  # its levels: top * (0.1 + 0.9 * j / steps), j = 1 .. steps
-    j = jnp.clip(jnp.round((y / top - 0.1) * steps.astype(jnp.float32) / 0.9), 0, steps).astype(jnp.int32)
-    index = steps - 2 + j  # j = 0 is the top of the decade below
-    smallest = 10.0 ** (1 - n_decades)  # the lowest decade's only level, with ``below`` under it
-    return jnp.where(y < smallest, jnp.where(y >= 0.5 * (smallest + below), 0, -1), index)
+def _spec(entries: Sequence[Any]) -> PartitionSpec:
+    entries = list(entries)
+    while entries and entries[-1] is None:
+        entries.pop()
+    return PartitionSpec(*entries)
 
 
-def _pack_nibbles(codes: jax.Array) -> jax.Array:
-    """Codes below 16 two to a byte along the last axis: element 2j in the low nibble, 2j+1 in the high."""
-    if codes.shape[-1] % 2:
-        codes = jnp.pad(codes, [(0, 0)] * (codes.ndim - 1) + [(0, 1)])
-    pairs = codes.reshape((*codes.shape[:-1], codes.shape[-1] // 2, 2))
-    return pairs[..., 0] | (pairs[..., 1] << 4)
+def _shards(entry: Any, axis_sizes: Mapping[str, int] | None) -> int | None:
+    if entry is None:
+        return 1
+    if axis_sizes is None:
+        return None
+    names = tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
+    if any(n not in axis_sizes for n in names):
+        return None
+    return math.prod(axis_sizes[n] for n in names)
 
 
-def _unpack_nibbles(packed: jax.Array, last: int) -> jax.Array:
-    pairs = jnp.stack([packed & 0xF, packed >> 4], axis=-1)
-    return pairs.reshape((*packed.shape[:-1], 2 * packed.shape[-1]))[..., :last]
+def _codes_entries(q: QuantizedLeaf, entries: list[Any], axis_sizes: Mapping[str, int] | None) -> list[Any]:
+    if q.format.bits == 8 or not q.shape:
+        return entries
+    return entries[: q.format.axis]  # 4-bit bytes pair the two halves of a row: a shard keeps rows whole
 
 
-def _dynamic_magnitudes(n_decades: int) -> np.ndarray:
-    """Exponent plus linear fraction: decade k below 1 has 2**(n_decades-1-k) levels, 1 included.
-
-    Levels are the right ends of equal steps over (0.1, 1] times the decade's
-    power of ten, so the decades tile (10**-n_decades, 1] with no duplicates.
-    """
-    decades = [
-        10.0 ** (i - n_decades + 1) * np.linspace(0.1, 1.0, 2**i + 1)[1:] for i in range(n_decades)
-    ]
-    return np.concatenate(decades)
-
-
-def _signed_levels(bits: int) -> np.ndarray:
-    magnitudes = _dynamic_magnitudes(bits - 1)
-    return np.concatenate([-magnitudes[::-1], [0.0], magnitudes, [1.0]])
-
-
-def _unsigned_levels(bits: int) -> np.ndarray:
-    """Maps with no zero level for blocks of non-negative values.
-
-    8 bits: the dynamic map over 8 decades plus 1e-8 (smallest level 1e-8 of
-    the block maximum, top decade 128 levels): bitsandbytes' unsigned map
-    without its zero. 4 bits: 16 evenly spaced levels 1/16 .. 1, the linear
-    map without zero Li et al. chose for second moments (torchao does the
-    same). With 16 codes a dynamic map spends most of them on small values
-    and leaves the top, where the block's largest second moments sit, with
-    steps of 0.11; linear halves that worst error and rounds small values UP
-    (to 1/16 of the maximum), which shrinks their updates instead of inflating
-    them. In an Adam loop of random gradients it gave the smaller update error
-    of the two at every spread of scales within a block up to one decade.
-    """
-    if bits == 8:
-        return np.concatenate([[1e-8], _dynamic_magnitudes(8)])
-    return np.linspace(0.0, 1.0, 17)[1:]
-
-
-@functools.cache
-def _levels(bits: int) -> np.ndarray:
-    """Both sorted maps as one float32 table: the signed map, then the unsigned one."""
-    table = np.concatenate([_signed_levels(bits), _unsigned_levels(bits)]).astype(np.float32)
-    table.flags.writeable = False
-    return table
+def _scales_entries(q: QuantizedLeaf, entries: list[Any], axis_sizes: Mapping[str, int] | None) -> list[Any]:
+    if not q.shape:
+        return []
+    j = q.format.axis
+    kept = entries[:j]
+    at_blocks = entries[j] if all(e is None for e in entries[j + 1 :]) else None
+    n = _shards(at_blocks, axis_sizes)
+    if at_blocks is not None and (n is None or q.shape[j] % n or not q._splits_whole(j, n)):
+        at_blocks = None
+    return [*kept, at_blocks]

@@ -1,0 +1,204 @@
+"""The maps of low-bit codes: which level in [-1, 1] each code stands for, and the code nearest a value.
+
+A block of optimizer state is divided by its absolute maximum (its scale),
+and each element takes the code of the nearest level of a fixed map. The
+maps here are written as elementwise integer and float arithmetic, with no
+table lookup: XLA fuses such arithmetic into the loops that read and write
+the state (a table lookup is a gather, which XLA materializes), so a low-bit
+step costs little more than a float32 one.
+
+- **8-bit signed** (first moments, momentum traces): a sign bit and 7 bits of
+  magnitude, a binary form of the dynamic map of Dettmers et al. ("8-bit
+  Optimizers via Block-wise Quantization"), whose precision tapers with the
+  magnitude: the top 2 octaves (down to 1/4 of the block maximum) have 32
+  steps each, the next 2 have 16, then 8, 4, 2 and 1: 12 octaves, down to
+  2.4e-4 of the maximum, then 0. The top level is exactly 1. On real Adam
+  moments its error is two thirds of the decimal dynamic map's, and Lion,
+  whose update is a sign, trains as with float32 state.
+- **8-bit unsigned** (second moments, sums of squares): no zero level, so a
+  small positive value never reads as 0 (the zero-point problem of Li et al.
+  2023, "Memory Efficient Optimizers with 4-bit States"): codes 16..255 are a
+  grid of 15 octaves, ``2**(e-16) * (1 + (f+1)/16)``, top exactly 1; codes
+  0..15 are linear, ``(c+1) * 2**-19``, the smallest level 1.9e-6.
+- **4-bit signed**: 16 levels ``f(k/8)`` for k = 1..8, 0, and ``-f(k/7)`` for
+  k = 1..7, with ``f(x) = x * (47/64 - 29/64 x + 46/64 x**2)``; f(1) = 1, so
+  both +1 and -1 are levels and no code is wasted. f is the cubic nearest the
+  Lloyd-Max levels of block-normalized Adam first moments (docs/low-bit-state.md
+  measures it against torchao's 4-bit map).
+- **4-bit unsigned**: 16 evenly spaced levels 1/16 .. 1, no zero: the linear
+  map without zero Li et al. chose for second moments (torchao does the same).
+
+Every encoder returns the nearest level's code; where a value lies within
+float32 rounding of the midpoint of two levels, either may be returned.
+
+Example:
+    >>> import jax.numpy as jnp
+    >>> codes = encode(jnp.array([-1.0, -0.3, 0.0, 0.3, 1.0]), bits=8, signed=True)
+    >>> decode(codes, bits=8, signed=True)
+    Array([-1.      , -0.296875,  0.      ,  0.296875,  1.      ], dtype=float32)
+    >>> decode(encode(jnp.array([0.0, 1e-7, 1.0]), bits=8, signed=False), bits=8, signed=False)
+    Array([1.9073486e-06, 1.9073486e-06, 1.0000000e+00], dtype=float32)
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["decode", "encode", "levels", "smallest_level"]
+
+# The float32 bit patterns under the octave grids: code ``m`` of the grid is the float whose bits are
+# ``((m + 1) << 19) + base``, four mantissa bits a step, so the top code's pattern is exactly 1.0's.
+_UNSIGNED8_BASE = (127 - 16) << 23
+# The 8-bit signed map: segments of _OCTAVES octaves each, the top one with _TOP_BITS mantissa bits and
+# each next one a bit fewer; magnitudes below the last segment are linear, down to exact 0.
+_TOP_BITS, _OCTAVES, _SEGMENTS = 5, 2, 6
+
+
+def _linear_step() -> float:
+    """The step of the signed map's linear magnitudes, up to its lowest tapered level without a gap."""
+    lowest = 64 >> (_SEGMENTS - 1)
+    first = 2.0 ** (-_OCTAVES * _SEGMENTS) * (1 + 2.0 ** (_SEGMENTS - 1 - _TOP_BITS))
+    return first / lowest
+_UNSIGNED8_LINEAR = 2.0**-19  # the step of codes 0..15 of the unsigned map
+# f(x) = x * (A + x * (B + C * x)): the 4-bit signed magnitudes, exact binary fractions with A + B + C = 1.
+_CUBIC = (47 / 64, -29 / 64, 46 / 64)
+
+
+def decode(codes: Any, bits: int, signed: bool) -> jax.Array:
+    """The level (float32, in [-1, 1]) each code of ``codes`` stands for in the ``bits``-bit map.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> decode(jnp.array([0, 7, 15], jnp.uint8), bits=4, signed=True)
+        Array([-1.,  0.,  1.], dtype=float32)
+    """
+    c = jnp.asarray(codes).astype(jnp.int32)
+    if bits == 8 and signed:
+        m = c & 127
+        # Segment s (0 = the top 4 octaves) of magnitude m >= 4 holds 64 >> s codes of 4 - s mantissa bits.
+        lowest = 64 >> (_SEGMENTS - 1)  # magnitudes below it are linear
+        segment = jax.lax.clz(jnp.maximum(m, lowest)) - 25
+        shift = 23 - _TOP_BITS + segment
+        pattern = ((m - (64 >> segment) + 1) << shift) + ((127 - _OCTAVES * (segment + 1)) << 23)
+        tapered = jax.lax.bitcast_convert_type(pattern, jnp.float32)
+        magnitude = jnp.where(m < lowest, m.astype(jnp.float32) * _linear_step(), tapered)
+        return jnp.where(c >= 128, -magnitude, magnitude)
+    if bits == 8:
+        grid = _grid(c, _UNSIGNED8_BASE)
+        return jnp.where(c < 16, (c + 1).astype(jnp.float32) * _UNSIGNED8_LINEAR, grid)
+    if signed:
+        k = jnp.asarray(codes).astype(jnp.float32) - 7  # in float: no integer copy for XLA to keep
+        x = jnp.abs(k) * jnp.where(k > 0, np.float32(1 / 8), np.float32(1 / 7))
+        a, b, cubic = _CUBIC
+        magnitude = x * (a + x * (b + cubic * x))
+        return jnp.where(k < 0, -magnitude, magnitude)
+    return (jnp.asarray(codes).astype(jnp.float32) + 1) * np.float32(1 / 16)
+
+
+def encode(y: Any, bits: int, signed: bool) -> jax.Array:
+    """The code (int32) of the level nearest each element of ``y``, which lies in [-1, 1] ([0, 1] unsigned).
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> encode(jnp.array([-1.0, 0.02, 1.0]), bits=4, signed=True)
+        Array([ 0,  7, 15], dtype=int32)
+    """
+    y = jnp.asarray(y, jnp.float32)
+    if bits == 8 and signed:
+        z = jnp.abs(y)
+        lowest = 64 >> (_SEGMENTS - 1)
+        pattern = jax.lax.bitcast_convert_type(z, jnp.int32)
+        # The segment from the octave: 0 for the top _OCTAVES octaves, below 1.
+        segment = jnp.clip((126 - (pattern >> 23)) // _OCTAVES, 0, _SEGMENTS - 1)
+        shift = 23 - _TOP_BITS + segment
+        base = (127 - _OCTAVES * (segment + 1)) << 23
+        steps = (pattern - base + (1 << (shift - 1))) >> shift
+        tapered = jnp.clip(steps - 1 + (64 >> segment), lowest - 1, 127)  # 0 steps: the segment below's top
+        step = _linear_step()
+        linear = jnp.minimum(jnp.round(z * (1 / step)).astype(jnp.int32), lowest - 1)
+        m = jnp.where(z < (lowest - 0.5) * step, linear, jnp.maximum(tapered, lowest))
+        return jnp.where((y < 0) & (m > 0), m + 128, m)  # no negative zero: one code for 0
+    if bits == 8:
+        # Below the midpoint of level 15 (2**-15) and level 16 (2**-15 * 17/16): the linear codes.
+        linear = jnp.clip(jnp.round(y * (1 / _UNSIGNED8_LINEAR)).astype(jnp.int32) - 1, 0, 15)
+        return jnp.where(y < 2.0**-15 * (33 / 32), linear, jnp.clip(_grid_code(y, _UNSIGNED8_BASE), 16, 255))
+    if signed:
+        # The rank of |y| among the midpoints of its side, by a binary search of four comparisons: XLA
+        # evaluates y anew for each use, so fifteen comparisons would cost fifteen evaluations.
+        positive, negative = _signed4_midpoints()
+        tables = (_padded16(positive), _padded16(negative))
+        negative_side = y < 0
+        z = jnp.abs(y)
+        rank = jnp.zeros(y.shape, jnp.int32)
+        for step in (8, 4, 2, 1):
+            threshold = _select_threshold(rank + step - 1, negative_side, tables, step)
+            rank = jnp.where(z > threshold, rank + step, rank)
+        return jnp.where(negative_side, 7 - rank, 7 + rank)
+    return jnp.clip(jnp.round(y * 16).astype(jnp.int32) - 1, 0, 15)
+
+
+def _padded16(midpoints: tuple[float, ...]) -> tuple[float, ...]:
+    return (*midpoints, *([np.inf] * (16 - len(midpoints))))
+
+
+def _select_threshold(index: jax.Array, negative: jax.Array, tables: Any, step: int) -> jax.Array:
+    """``tables[negative][index]`` where ``index`` takes only the values ``step - 1 + 2 * step * i``."""
+    candidates = range(step - 1, 16, 2 * step)
+    chosen = None
+    for i in candidates:
+        value = jnp.where(negative, np.float32(tables[1][i]), np.float32(tables[0][i]))
+        chosen = value if chosen is None else jnp.where(index == i, value, chosen)
+    assert chosen is not None
+    return chosen
+
+
+def _grid(code: jax.Array, base: int) -> jax.Array:
+    return jax.lax.bitcast_convert_type(((code + 1) << 19) + base, jnp.float32)
+
+
+def _grid_code(z: jax.Array, base: int) -> jax.Array:
+    """The grid code nearest ``z``: its bit pattern rounded to four mantissa bits (linear within an octave)."""
+    bits = jax.lax.bitcast_convert_type(z, jnp.int32)
+    return ((bits - base + (1 << 18)) >> 19) - 1
+
+
+@functools.cache
+def levels(bits: int, signed: bool) -> np.ndarray:
+    """Every code's level, by code (read-only float32), as :func:`decode` computes it.
+
+    Example:
+        >>> levels(4, False)[:3], levels(8, True)[[0, 127, 128, 255]]
+        (array([0.0625, 0.125 , 0.1875], dtype=float32), array([ 0.,  1., -0., -1.], dtype=float32))
+    """
+    with jax.ensure_compile_time_eval():
+        table = np.asarray(decode(jnp.arange(2**bits), bits, signed), np.float32)
+    table.flags.writeable = False
+    return table
+
+
+def smallest_level(bits: int) -> float:
+    """The smallest level of the unsigned ``bits``-bit map: a second moment never reads below it.
+
+    Example:
+        >>> smallest_level(8), smallest_level(4)
+        (1.9073486328125e-06, 0.0625)
+    """
+    return float(levels(bits, False)[0])
+
+
+@functools.cache
+def _signed4_midpoints() -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """The midpoints between consecutive 4-bit signed levels: above 0, and (as magnitudes) below it."""
+    table = levels(4, True).astype(np.float64)
+    above, below = table[7:], -table[7::-1]  # from 0 up to 1; from 0 down to -1, as magnitudes
+    return _midpoints(above), _midpoints(below)
+
+
+def _midpoints(side: np.ndarray) -> tuple[float, ...]:
+    return tuple(float(np.float32((a + b) / 2)) for a, b in itertools.pairwise(side))
