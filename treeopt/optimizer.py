@@ -16,7 +16,7 @@ from treeopt._sharding.explicit import like_inputs
 from treeopt._sharding.optimizer_specs import optimizer_state_specs
 from treeopt._state import state_dict as _state_dict
 from treeopt._state.initial import as_transformation, init_inputs, transformation_name
-from treeopt._state.lowbit_state import checked_state_bits, quantized_state
+from treeopt._state.lowbit_state import checked_state_bits, constant_leaves, quantized_state
 from treeopt._state.master import checked_master_dtype, param_dtypes_of
 from treeopt._state.rounding import checked_param_rounding
 from treeopt._state.state_dict import StateParts
@@ -277,7 +277,10 @@ class Optimizer:
             layout, params, lookahead, self.master_dtype, self.param_rounding
         )
         opt_state = stable_dtypes(self.tx, jax.tree.map(strong, self.tx.init(flat)), flat, lookahead)
-        opt_state = quantized_state(opt_state, layout, self.state_bits)
+        if self.state_bits is not None:
+            grads = flat.fast if lookahead else flat
+            constants = constant_leaves(self.tx.init, flat) if any(is_tracer(x) for x in jax.tree.leaves(grads)) else None
+            opt_state = quantized_state(opt_state, layout, self.state_bits, grads, constants)
         children = (jnp.zeros((), jnp.int32), opt_state, master, rounding)
         return Optimizer._tree_unflatten(self._static(layout, lookahead), children)
 

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from treeopt._state.lowbit_state import decoded, encoded_like
+from treeopt._state.lowbit_state import decoded, encoded_after_step, has_quantized
 from treeopt._state.master import master_step
 from treeopt._state.rounding import rounding_step
 from treeopt._state.step_io import FlatStep, StepInputs
@@ -88,20 +88,30 @@ def _strong_tree(tree: Any) -> Any:
 def _traced(inputs: StepInputs, extra_args: Mapping[str, Any] | None = None) -> FlatStep:
     """The step itself; :func:`flat_step` decides whether it runs traced or compiled.
 
-    Low-bit state leaves are read as floats for ``tx.update`` and encoded again after it.
+    Low-bit state leaves are read as floats for ``tx.update`` and encoded again
+    after it, against block maxima taken from a twin of the step
+    (:func:`treeopt._state.lowbit_state.encoded_after_step` says why).
     """
     extra = inputs.extra_args() if extra_args is None else extra_args
     held = inputs.opt_state
-    inputs = dataclasses.replace(inputs, opt_state=decoded(held))
+    if not has_quantized(held):
+        return _stepped(inputs, extra)
+    twin_inputs = jax.lax.optimization_barrier(inputs)
+    out = _stepped(dataclasses.replace(twin_inputs, opt_state=decoded(twin_inputs.opt_state)), extra)
+    main = _stepped(dataclasses.replace(inputs, opt_state=decoded(held)), extra)
+    outputs = out.output if isinstance(out.output, Mapping) else None
+    return out._replace(opt_state=encoded_after_step(held, main.opt_state, out.opt_state, outputs))
+
+
+def _stepped(inputs: StepInputs, extra: Mapping[str, Any]) -> FlatStep:
+    """``tx.update`` on float state, through the masters or the param rounding when there are any."""
     if inputs.master:
-        out = master_step(inputs, extra)
-    elif inputs.rounding:
-        out = rounding_step(inputs, extra)
-    else:
-        updates, new_state = inputs.tx.update(inputs.grads, inputs.opt_state, inputs.params, **extra)
-        output = optax.apply_updates(inputs.params, updates) if inputs.apply_updates else updates
-        out = FlatStep(next_step(inputs.step), new_state, output)
-    return out._replace(opt_state=encoded_like(held, out.opt_state))
+        return master_step(inputs, extra)
+    if inputs.rounding:
+        return rounding_step(inputs, extra)
+    updates, new_state = inputs.tx.update(inputs.grads, inputs.opt_state, inputs.params, **extra)
+    output = optax.apply_updates(inputs.params, updates) if inputs.apply_updates else updates
+    return FlatStep(next_step(inputs.step), new_state, output)
 
 
 # The eager path: one compiled program per (tx, avals, static extras) instead of many small ops.

@@ -11,6 +11,7 @@ donation, eager steps, masters, masks, state dicts, checkpoints, sharding.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +22,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import treeopt
-from treeopt._state.lowbit import QuantizedLeaf, is_quantized
+from treeopt._state.lowbit import Format, QuantizedLeaf, is_quantized
 from treeopt.errors import StateDictError
 
 from _helpers import assert_trees_equal
@@ -117,7 +118,7 @@ def test_the_statistics_are_codes_that_read_as_the_float_state():
     reference_mu = full.opt_state[0].mu["hidden/kernel"]
     assert float(jnp.max(jnp.abs(reference_mu))) > 0
     np.testing.assert_allclose(
-        mu.dequantize(), reference_mu, atol=0.02 * float(jnp.max(jnp.abs(reference_mu)))
+        mu.dequantize(), reference_mu, atol=0.03 * float(jnp.max(jnp.abs(reference_mu)))
     )
 
 
@@ -125,7 +126,7 @@ def test_second_moments_never_read_as_zero_where_they_are_positive():
     params = make_params()
     _, opt, _ = train(treeopt.Optimizer(optax.adam(3e-3), state_bits=4).init(params), steps=3)
     nu = opt.opt_state[0].nu["hidden/kernel"]
-    assert bool(jnp.all(nu.scales <= 0))  # every block of a second moment uses the map without zero
+    assert not nu.format.signed and opt.opt_state[0].mu["hidden/kernel"].format.signed  # the map without zero
     assert bool(jnp.all(nu.dequantize() > 0))
 
 
@@ -248,7 +249,8 @@ def test_state_dict_holds_codes_and_scales_and_resumes_bit_for_bit():
     params, opt, _ = train(treeopt.Optimizer(optax.adam(3e-3), state_bits=4).init(make_params()), steps=3)
     sd = opt.state_dict()
     entry = sd["opt_state"]["0"]["mu"]["hidden/kernel"]
-    assert set(entry) == {"codes", "scales"}
+    assert set(entry) == {"codes", "scales", "format"}
+    assert Format.from_entry(entry["format"]) == opt.opt_state[0].mu["hidden/kernel"].format
     restored = treeopt.Optimizer(optax.adam(3e-3), state_bits=4).init(make_params()).load_state_dict(sd)
     assert_trees_equal(restored.state_dict(), sd)
     p1, o1, _ = train(opt, params=params, steps=3, start=3)
@@ -274,7 +276,7 @@ def test_warm_start_converts_between_full_and_low_bit_state_and_reports_it():
     assert converted == {
         f"opt_state/0/{f}/{n}" for f in ("mu", "nu") for n in ("hidden/kernel", "out/kernel")
     }
-    assert ("opt_state/0/mu/out/kernel", f"float32[{D_HIDDEN}, {D_OUT}]", "8-bit codes") in report.converted
+    assert ("opt_state/0/mu/out/kernel", f"float32[{D_HIDDEN}, {D_OUT}]", "8-bit signed codes") in report.converted
     reference_mu = full.opt_state[0].mu["out/kernel"]
     np.testing.assert_allclose(
         low.opt_state[0].mu["out/kernel"].dequantize(),
@@ -320,7 +322,8 @@ def test_partition_specs_give_codes_the_params_spec_and_scales_the_axes_they_kee
 @pytest.mark.parametrize("bits", [8, 4])
 def test_zero_one_splits_codes_and_scales_eightfold_with_whole_blocks_and_the_same_numbers(bits):
     mesh = _mesh()
-    # "row" has one row: only its last axis can be split, and its 16 blocks divide by 8.
+    # "row" has one row: at 8 bits only its row of 16 blocks can be split (2 whole blocks a device); at
+    # 4 bits a byte pairs the row's two halves, so it stays whole on every device.
     params = {"w": make_params()["hidden"]["kernel"], "row": jnp.linspace(-1, 1, 4096).reshape(1, 4096)}
     specs = {"w": P(), "row": P()}
     tx = optax.adam(1e-2)
@@ -343,17 +346,21 @@ def test_zero_one_splits_codes_and_scales_eightfold_with_whole_blocks_and_the_sa
         }
         p1, plain = step(p1, plain, grads)
         p2, sharded = step(p2, sharded, grads)
-    for name in ("w", "row"):
+    split = ("w", "row") if bits == 8 else ("w",)
+    for name in split:
         q = sharded.opt_state[0].nu[name]
         for array in (q.codes, q.scales):
             assert array.addressable_shards[0].data.nbytes * 8 == array.nbytes
         codes_dim = next(d for d, e in enumerate(q.codes.sharding.spec) if e is not None)
         scales_dim = next(d for d, e in enumerate(q.scales.sharding.spec) if e is not None)
-        assert codes_dim == scales_dim  # whole blocks on every device
-        shard = q.codes.addressable_shards[0].data.shape[-1] * (2 if bits == 4 else 1)
-        assert shard % q.block == 0 or codes_dim < len(q.shape) - 1
+        assert codes_dim == scales_dim  # split on the same axis of the param
+        if codes_dim == q.format.axis:  # the blocks' own axis: every device holds whole blocks
+            assert math.prod(q.codes.addressable_shards[0].data.shape[q.format.axis :]) % q.block == 0
+    if bits == 4:
+        q = sharded.opt_state[0].nu["row"]
+        assert q.codes.addressable_shards[0].data.nbytes == q.codes.nbytes
     for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p2), strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+        np.testing.assert_array_equal(a, b)  # the same numbers: splitting changes no arithmetic
 
 
 def test_an_nnx_module_and_an_equinox_module_train_with_low_bit_state():

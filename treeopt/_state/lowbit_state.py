@@ -1,25 +1,25 @@
-"""Low-bit state (``state_bits=``): which leaves of any optax state are held as codes, and the codes around a step.
+"""Low-bit state (``state_bits=``): which leaves of an optax state are held as codes, and the codes around a step.
 
 A leaf of the optax state is held as block-wise codes (:mod:`treeopt._state.lowbit`)
 when all of these hold:
 
-- it belongs to a trained parameter: its key path goes through the dict keyed
-  by parameter names that optax made from the flat, named params, and it has
-  that parameter's shape (moments, accumulators of squares, traces; factored
-  statistics such as Adafactor's ``v_row`` are small and stay as they are);
-- it is floating-point and has at least :data:`MIN_ELEMENTS` elements (smaller
-  leaves stay as optax made them, as bitsandbytes' ``min_8bit_size``);
-- the parameter's name matches a glob of ``state_bits`` whose value is 8 or 4
-  (the first matching glob decides; names no glob matches keep full precision);
-- it is not state whose precision is the algorithm: the gradient accumulator
-  of ``optax.MultiSteps`` (``acc_grads``) and the copy of the params that
-  schedule-free optimizers keep (``z``) stay as they are, as do master
-  weights, which live outside the optax state. For a transformation of your
-  own that keeps such values, exclude its parameters by name
-  (``state_bits={"*": 8}`` → ``{"embed/*": None, "*": 8}``).
+- it is a known running statistic (:mod:`treeopt._state.statistics`): a
+  field such as ``ScaleByAdamState.mu`` that holds one value per element of
+  each parameter, averaged over steps. Anything else keeps full precision by
+  construction: copies of the params, values that set them directly, any
+  field of a transformation treeopt does not know (reported by a warning at
+  ``init``, since its state stays as large as without ``state_bits``);
+- it belongs to a trained parameter, sits directly under the dict keyed by
+  parameter names, and has that parameter's shape;
+- it is floating-point and has at least :data:`MIN_ELEMENTS` elements
+  (smaller leaves stay as optax made them, as bitsandbytes' ``min_8bit_size``);
+- the parameter's name is matched by a glob of ``state_bits`` whose value is
+  8 or 4 (the first matching glob decides; names no glob matches keep full
+  precision; a glob that matches nothing, or only names an earlier glob
+  decided, is an error).
 
-In a step the codes are read as floats, ``tx.update`` runs, and the new values
-are encoded again; traced inside the step, XLA fuses the three.
+In a step the codes are read as floats, ``tx.update`` runs, and the new
+values are encoded again (:func:`encoded_after_step`); XLA fuses the three.
 
 Example:
     >>> import jax.numpy as jnp, optax
@@ -32,16 +32,28 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any
+import math
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
-import optax
 
-from treeopt._state.lowbit import QuantizedLeaf, block_size, is_quantized, quantize
+from treeopt._sharding.explicit import explicit_sharding
+from treeopt._state.lowbit import (
+    Format,
+    QuantizedLeaf,
+    block_layout,
+    block_maxima,
+    constant,
+    encode_with,
+    is_quantized,
+)
 from treeopt._state.plain import Path, flatten_paths, path_str
+from treeopt._state.statistics import fields_by_path, full_precision_reason, statistic_map
 from treeopt._tree.layout import ParamLayout
 from treeopt._tree.masks import name_matcher
 from treeopt._tree.paths import param_owners
@@ -51,7 +63,8 @@ __all__ = [
     "checked_state_bits",
     "converted_source",
     "decoded",
-    "encoded_like",
+    "encoded_after_step",
+    "has_quantized",
     "quantized_state",
 ]
 
@@ -60,12 +73,6 @@ MIN_ELEMENTS = 4096
 
 StateBits = tuple[tuple[str, int | None], ...] | None
 _CHOICES = "None, 8, 4, or a mapping {glob over parameter names: 8 | 4 | None}"
-
-# State whose precision is the algorithm: (state type, field). Everything else is read by shape and name.
-_KEPT_FIELDS: tuple[tuple[type, str], ...] = (
-    (optax.MultiStepsState, "acc_grads"),
-    (optax.contrib.ScheduleFreeState, "z"),
-)
 
 
 def checked_state_bits(state_bits: Any) -> StateBits:
@@ -102,11 +109,19 @@ def _valid_bits(bits: Any, none_ok: bool) -> bool:
 
 
 def bits_by_name(rules: StateBits, names: Sequence[str]) -> dict[str, int]:
-    """``{name: bits}`` of the parameters whose state is held in low bits; a glob matching no name is an error.
+    """``{name: bits}`` of the parameters whose state is held in low bits.
+
+    A glob that matches no name, or only names that an earlier glob already
+    decided (``{"*": 8, "embed/*": None}``: the second one does nothing), is
+    an error naming it.
 
     Example:
         >>> bits_by_name((("embed/*", None), ("*", 8)), ["embed/table", "dense/kernel"])
         {'dense/kernel': 8}
+        >>> bits_by_name((("*", 8), ("embed/*", None)), ["embed/table", "dense/kernel"])
+        Traceback (most recent call last):
+        ...
+        ValueError: state_bits: the glob 'embed/*' comes after '*', which already decides every name it matches (['embed/table']): it has no effect. Put the narrower glob first: state_bits={'embed/*': ..., '*': ...}.
     """
     if not rules:
         return {}
@@ -119,6 +134,19 @@ def bits_by_name(rules: StateBits, names: Sequence[str]) -> dict[str, int]:
             f"that changed? The parameters are {shown}. A glob matches whole '/'-separated names: "
             "'encoder/*', '*kernel'."
         )
+    deciding: dict[str, str] = {}  # name -> the glob that decides it
+    for glob, match, _ in matchers:
+        matched = [name for name in names if match(name)]
+        if all(name in deciding for name in matched):
+            earlier = sorted({deciding[name] for name in matched}, key=[g for g, _, _ in matchers].index)
+            shown = ", ".join(repr(g) for g in earlier)
+            raise ValueError(
+                f"state_bits: the glob {glob!r} comes after {shown}, which already decides every name it "
+                f"matches ({matched[:8]}): it has no effect. Put the narrower glob first: "
+                f"state_bits={{{glob!r}: ..., {earlier[0]!r}: ...}}."
+            )
+        for name in matched:
+            deciding.setdefault(name, glob)
     out = {}
     for name in names:
         bits = next((bits for _, match, bits in matchers if match(name)), None)
@@ -127,53 +155,54 @@ def bits_by_name(rules: StateBits, names: Sequence[str]) -> dict[str, int]:
     return out
 
 
-def _kept_prefixes(opt_state: Any) -> list[tuple[Any, ...]]:
-    """Key paths of the state whose precision is the algorithm (see the module doc)."""
-    types = tuple(cls for cls, _ in _KEPT_FIELDS)
-    found = []
-    for path, node in jax.tree_util.tree_flatten_with_path(opt_state, is_leaf=lambda x: isinstance(x, types))[
-        0
-    ]:
-        for cls, field in _KEPT_FIELDS:
-            if isinstance(node, cls):
-                found.append((*path, jax.tree_util.GetAttrKey(field)))
-                inner = {f: getattr(node, f) for f in getattr(type(node), "_fields", ()) if f != field}
-                found += [
-                    (*path, jax.tree_util.GetAttrKey(f), *p)
-                    for f, v in inner.items()
-                    for p in _kept_prefixes(v)
-                ]
-    return found
+# -- which leaves ----------------------------------------------------------------------------------
 
 
-def quantized_state(opt_state: Any, layout: ParamLayout, rules: StateBits) -> Any:
-    """``opt_state`` with the leaves the module doc describes held as codes; works on abstract states too."""
+class Choice(NamedTuple):
+    """The format a state leaf is held in, or why it keeps full precision (``fmt`` None)."""
+
+    path: tuple[Any, ...]
+    param: str | None
+    fmt: Format | None
+    unknown_field: str | None = None
+    """``"Type.field"`` of a params-shaped leaf kept because its field is not a known statistic."""
+
+
+def choices(
+    opt_state: Any, layout: ParamLayout, rules: StateBits, flat_params: Mapping[str, Any] | None = None
+) -> list[Choice]:
+    """One :class:`Choice` per leaf of ``opt_state``, in tree order."""
     bits = bits_by_name(rules, layout.names)
-    if not bits:
-        return opt_state
-    shapes = {name: tuple(shape) for name, (shape, _) in zip(layout.names, layout.avals, strict=True)}
-    flat, treedef_ = jax.tree_util.tree_flatten_with_path(opt_state)
-    treedef: Any = treedef_
+    flat, _ = jax.tree_util.tree_flatten_with_path(opt_state)
     paths = [tuple(path) for path, _ in flat]
+    if not bits:
+        return [Choice(path, None, None) for path in paths]
+    shapes = {name: tuple(shape) for name, (shape, _) in zip(layout.names, layout.avals, strict=True)}
     owners = param_owners(paths, set(layout.names))
-    kept = _kept_prefixes(opt_state)
-    leaves = []
+    fields = fields_by_path(opt_state)
+    out = []
     for path, (_, leaf), owner in zip(paths, flat, owners, strict=True):
         name = path[owner].key if owner is not None else None
-        if (
+        field = fields.get(path[:owner]) if owner is not None else None
+        eligible = (
             name in bits
+            and owner == len(path) - 1  # directly under the params dict
             and _floating(leaf)
             and tuple(leaf.shape) == shapes[name]
-            and int(np.prod(leaf.shape)) >= MIN_ELEMENTS
-            and not any(path[: len(prefix)] == prefix for prefix in kept)
-        ):
-            leaf = _quantize(leaf, bits[name])
-        leaves.append(leaf)
-    return treedef.unflatten(leaves)
-
-
-# An eager init would run the codec op by op: compiled once per shape, it is one dispatch a leaf.
-_quantize = jax.jit(quantize, static_argnums=1)
+            and math.prod(leaf.shape) >= MIN_ELEMENTS
+        )
+        if not eligible or field is None:
+            out.append(Choice(path, name, None))
+            continue
+        assert name is not None  # eligible: it is a trained parameter's
+        kind = statistic_map(*field)
+        if kind is None:
+            unknown = None if full_precision_reason(*field) else f"{field[0].__name__}.{field[1]}"
+            out.append(Choice(path, name, None, unknown))
+            continue
+        axis, block = block_layout(leaf.shape, bits[name])
+        out.append(Choice(path, name, Format(bits[name], kind == "signed", axis, block)))
+    return out
 
 
 def _floating(leaf: Any) -> bool:
@@ -181,92 +210,347 @@ def _floating(leaf: Any) -> bool:
     return dtype is not None and bool(jnp.issubdtype(dtype, jnp.floating))
 
 
+def quantized_state(
+    opt_state: Any,
+    layout: ParamLayout,
+    rules: StateBits,
+    flat_params: Mapping[str, Any] | None = None,
+    constants: Mapping[tuple[Any, ...], float] | None = None,
+) -> Any:
+    """``opt_state`` with the leaves the module doc describes held as codes; works on abstract states too.
+
+    ``constants``: leaves known to be filled with one value (``{path: value}``,
+    from :func:`constant_leaves`); their codes are built directly. A concrete
+    leaf is checked for that itself. Any other traced leaf is encoded behind
+    an optimization barrier, so that XLA runs the encoder rather than folding
+    it on the host.
+    """
+    if not rules:
+        return opt_state
+    chosen = choices(opt_state, layout, rules, flat_params)
+    unknown = sorted({c.unknown_field for c in chosen if c.unknown_field})
+    if unknown:
+        warnings.warn(
+            f"state_bits: {unknown} are not known running statistics (moments, traces, sums of squares): "
+            "their leaves keep full precision. The table in docs/low-bit-state.md lists what each optax "
+            "transformation keeps.",
+            UserWarning,
+            stacklevel=4,
+        )
+    leaves, treedef = jax.tree.flatten(opt_state)
+    constants = constants or {}
+    out = [
+        _held(leaf, c.fmt, constants.get(c.path)) if c.fmt is not None else leaf
+        for leaf, c in zip(leaves, chosen, strict=True)
+    ]
+    return jax.tree.unflatten(treedef, out)
+
+
+def _held(leaf: Any, fmt: Format, value: float | None) -> QuantizedLeaf:
+    if isinstance(leaf, jax.ShapeDtypeStruct):
+        return jax.eval_shape(lambda x: encode_with(x, block_maxima(x, fmt), fmt), leaf)
+    if value is None and not isinstance(leaf, jax.core.Tracer):
+        low, high = (float(v) for v in _range(leaf))
+        value = low if low == high or (low != low and high != high) else None
+    if value is not None:
+        return constant(value, leaf.shape, leaf.dtype, fmt)
+    if isinstance(leaf, jax.core.Tracer):
+        x, maxima = jax.lax.optimization_barrier((leaf, block_maxima(leaf, fmt)))
+        return encode_with(x, maxima, fmt)
+    return _encode(leaf, fmt)
+
+
+# An eager init would run the encoder op by op: compiled once per shape and format, it is one dispatch.
+_encode = jax.jit(lambda x, fmt: encode_with(x, block_maxima(x, fmt), fmt), static_argnums=1)
+_range = jax.jit(lambda x: (jnp.min(x), jnp.max(x)))
+
+
+def constant_leaves(init: Callable[[Any], Any], flat_params: Any) -> dict[tuple[Any, ...], float]:
+    """``{key path: value}`` of the leaves of ``init(flat_params)`` that are one value broadcast.
+
+    Read from the jaxpr of ``init`` (nothing runs): a leaf made by
+    broadcasting a literal (``jnp.zeros_like``, ``jnp.full``), through casts
+    and copies, is known without computing it.
+
+    Example:
+        >>> import jax.numpy as jnp, optax
+        >>> found = constant_leaves(optax.adagrad(0.1, initial_accumulator_value=0.1).init, {"w": jnp.ones(3)})
+        >>> [round(v, 6) for v in found.values()]
+        [0.1]
+    """
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)), flat_params)
+    try:
+        closed, out_shape = jax.make_jaxpr(init, return_shape=True)(abstract)
+    except Exception:  # an init that cannot trace on shapes: nothing is known
+        return {}
+    jaxpr = closed.jaxpr
+    consts = dict(zip(jaxpr.constvars, closed.consts, strict=True))
+    producer = {var: eqn for eqn in jaxpr.eqns for var in eqn.outvars}
+    paths = [tuple(path) for path, _ in jax.tree_util.tree_flatten_with_path(out_shape)[0]]
+    found = {}
+    for path, var in zip(paths, jaxpr.outvars, strict=True):
+        value = _literal_value(var, producer, consts)
+        if value is not None:
+            found[path] = value
+    return found
+
+
+def _literal_value(var: Any, producer: Mapping[Any, Any], consts: Mapping[Any, Any]) -> float | None:
+    for _ in range(16):
+        if isinstance(var, jax.extend.core.Literal):
+            return _scalar(var.val)
+        if var in consts:
+            return _scalar(consts[var])
+        eqn = producer.get(var)
+        if eqn is None or eqn.primitive.name not in ("broadcast_in_dim", "convert_element_type", "copy", "copy_p"):
+            return None
+        var = eqn.invars[0]
+    return None
+
+
+def _scalar(value: Any) -> float | None:
+    array = np.asarray(value)
+    if array.size == 0 or not np.issubdtype(array.dtype, np.number):
+        return None
+    flat = array.reshape(-1)
+    return float(flat[0]) if np.all(flat == flat[0]) else None
+
+
+# -- around a step ---------------------------------------------------------------------------------
+
+
+def has_quantized(opt_state: Any) -> bool:
+    """Whether any leaf of ``opt_state`` is held as codes."""
+    return any(is_quantized(x) for x in jax.tree.leaves(opt_state, is_leaf=is_quantized))
+
+
 def decoded(opt_state: Any) -> Any:
     """``opt_state`` with every low-bit leaf read as the float array it stands for.
 
     Example:
         >>> import jax.numpy as jnp
+        >>> from treeopt._state.lowbit import quantize
         >>> decoded({"mu": quantize(jnp.full(4, 0.5), 8), "count": 1})
         {'count': 1, 'mu': Array([0.5, 0.5, 0.5, 0.5], dtype=float32)}
     """
     return jax.tree.map(lambda x: x.dequantize() if is_quantized(x) else x, opt_state, is_leaf=is_quantized)
 
 
-def encoded_like(template: Any, new_state: Any) -> Any:
-    """``new_state`` (floats) with each leaf that is low-bit in ``template`` encoded again, in its bits.
+def encoded_after_step(
+    template: Any, new_state: Any, twin: Any | None = None, outputs: Mapping[str, Any] | None = None
+) -> Any:
+    """``new_state`` (floats) with each leaf that is low-bit in ``template`` encoded again, in its format.
+
+    ``twin``: a second evaluation of the same new state, whose inputs passed an
+    optimization barrier (so that XLA cannot merge the two); the block maxima
+    are taken from it, and every leaf that is not low-bit too. ``outputs``: the
+    twin's new params (or updates) by name, which each encoded leaf waits for.
+
+    Why, on CPU: XLA cannot fuse the computation of a value into both a
+    reduction over it and its other uses, and writes it out in float32 (which
+    costs more than the whole float32 step). With the maxima and the params
+    from the twin, the new moments of ``new_state`` have one use, their
+    encoding, and fuse into it; and since the encoding waits for the params,
+    which read the old codes, XLA may overwrite donated codes in place rather
+    than copy them first.
 
     Example:
         >>> import jax.numpy as jnp
+        >>> from treeopt._state.lowbit import quantize
         >>> state = {"mu": quantize(jnp.zeros(4), 8)}
-        >>> type(encoded_like(state, {"mu": jnp.full(4, 0.5)})["mu"]).__name__
+        >>> type(encoded_after_step(state, {"mu": jnp.full(4, 0.5)})["mu"]).__name__
         'QuantizedLeaf'
     """
-    if not any(is_quantized(x) for x in jax.tree.leaves(template, is_leaf=is_quantized)):
+    if not has_quantized(template):
         return new_state
-    return jax.tree.map(
-        lambda old, new: quantize(new, old.bits) if is_quantized(old) else new,
-        template,
-        new_state,
-        is_leaf=is_quantized,
-    )
+    held, treedef_ = jax.tree_util.tree_flatten_with_path(template, is_leaf=is_quantized)
+    treedef: Any = treedef_
+    new = treedef.flatten_up_to(new_state)
+    source = treedef.flatten_up_to(twin) if twin is not None else new
+    out = []
+    for (path, old), x, other in zip(held, new, source, strict=True):
+        if not is_quantized(old):
+            out.append(other)
+            continue
+        maxima = block_maxima(other, old.format)
+        name = next((k.key for k in reversed(path) if isinstance(k, jax.tree_util.DictKey)), None)
+        if outputs is not None and name is not None and name in outputs:
+            maxima = _after(maxima, outputs[name])
+        out.append(encode_with(x, maxima, old.format))
+    return treedef.unflatten(out)
+
+
+def _after(value: jax.Array, other: Any) -> jax.Array:
+    """``value``, made to depend on ``other``: plus zero computed from one of its elements' bits.
+
+    An unsigned shift by the full width in two steps is 0 for any bits, and XLA
+    does not fold it (it keeps the dependency); NaN and infinity pass unharmed.
+    """
+    other = jnp.asarray(other)
+    if other.size == 0 or not jnp.issubdtype(other.dtype, jnp.number) or explicit_sharding(other) is not None:
+        return value  # under explicit axes, slicing a sharded value needs a reshard: not worth it
+    width = jnp.dtype(other.dtype).itemsize * 8
+    unsigned = {8: jnp.uint8, 16: jnp.uint16, 32: jnp.uint32, 64: jnp.uint64}[width]
+    bits = jax.lax.bitcast_convert_type(other.reshape(-1)[:1], unsigned)
+    zero = (bits >> (width - 1)) >> 1
+    return value + zero.astype(value.dtype).reshape(())
+
+
+# -- state dicts -----------------------------------------------------------------------------------
+
+CODES, SCALES, FORMAT = "codes", "scales", "format"
 
 
 def converted_source(
-    units: Mapping[Path, Any], source: Any
+    units: Mapping[Path, Any], source: Any, legacy_only: bool = False
 ) -> tuple[dict[Path, Any], tuple[tuple[str, str, str], ...]]:
-    """A warm start's source with values converted to the target's precision at the target's paths.
+    """A warm start's source, with each low-bit value converted to the target's precision at the target's paths.
 
     ``units`` are the target's state leaves by state-dict path, a low-bit leaf
-    as one unit (its ``codes`` and ``scales`` below it). Where the target holds
-    codes and the source a float array of the same shape at the same path, the
-    array is encoded; where the target holds a float array and the source
-    codes and scales, they are decoded to the target's shape and dtype.
-    Returns the source flattened (``{path: value}``) and ``(path, from, to)``
-    of each conversion.
+    as one unit (its ``codes``, ``scales`` and ``format`` below it). Codes and
+    scales are one value: where the source holds another precision than the
+    target at a path (full precision, or codes of other bits, map or layout),
+    the source's value is decoded whole and encoded again in the target's
+    format; a state dict without ``format`` entries (written before formats
+    were recorded) is read in that first layout. Returns the source flattened
+    (``{path: value}``) and ``(path, from, to)`` of each conversion.
+    ``legacy_only``: convert only the codes written without a format.
 
     Example:
         >>> import jax.numpy as jnp
+        >>> from treeopt._state.lowbit import quantize
         >>> units = {("mu", "w"): quantize(jnp.zeros((64, 64)), 8)}
         >>> flat, done = converted_source(units, {"mu": {"w": jnp.ones((64, 64))}})
         >>> sorted(flat), done
-        ([('mu', 'w', 'codes'), ('mu', 'w', 'scales')], (('mu/w', 'float32[64, 64]', '8-bit codes'),))
+        ([('mu', 'w', 'codes'), ('mu', 'w', 'format'), ('mu', 'w', 'scales')], (('mu/w', 'float32[64, 64]', '8-bit signed codes'),))
     """
     flat = flatten_paths(source)
     done = []
     for path, unit in units.items():
-        codes, scales = (*path, "codes"), (*path, "scales")
-        if is_quantized(unit) and path in flat and codes not in flat:
-            value = flat.pop(path)
-            if tuple(np.shape(value)) != tuple(unit.shape):
-                flat[path] = value  # another shape: the engine reports it
-                continue
-            encoded = quantize(jnp.asarray(value, unit.dtype), unit.bits)
-            flat[codes], flat[scales] = encoded.codes, encoded.scales
-            done.append(
-                (
-                    path_str(path),
-                    f"{np.dtype(value.dtype).name}{list(np.shape(value))}",
-                    f"{unit.bits}-bit codes",
-                )
-            )
-        elif (
-            not is_quantized(unit)
-            and _floating(unit)
-            and codes in flat
-            and scales in flat
-            and path not in flat
-        ):
-            shape = tuple(unit.shape)
-            bits = 8 if tuple(np.shape(flat[codes])) == shape else 4
-            block = block_size(shape[-1] if shape else 1, bits)
-            leaf = QuantizedLeaf(
-                flat.pop(codes),
-                flat.pop(scales),
-                shape=shape,
-                dtype=np.dtype(unit.dtype).name,
-                bits=bits,
-                block=block,
-            )
-            flat[path] = leaf.dequantize()
-            done.append((path_str(path), f"{bits}-bit codes", f"{np.dtype(unit.dtype).name}{list(shape)}"))
+        found = _source_value(flat, path, unit)
+        if found is None:
+            continue
+        value, described, same = found
+        if same or (legacy_only and not described.endswith("(no format)")):
+            continue
+        if tuple(np.shape(value)) != tuple(unit.shape) or not _floating(value):
+            continue  # another shape: the engine reports the paths as they are
+        for key in (CODES, SCALES, FORMAT):
+            flat.pop((*path, key), None)
+        flat.pop(path, None)
+        if is_quantized(unit):
+            encoded = _encode(jnp.asarray(value, unit.dtype), unit.format)
+            flat[(*path, CODES)], flat[(*path, SCALES)] = encoded.codes, encoded.scales
+            flat[(*path, FORMAT)] = unit.format.entry()
+            target = f"{unit.bits}-bit {'signed' if unit.format.signed else 'unsigned'} codes"
+        else:
+            flat[path] = jnp.asarray(value, unit.dtype)
+            target = f"{np.dtype(unit.dtype).name}{list(unit.shape)}"
+        done.append((path_str(path), described, target))
     return flat, tuple(done)
+
+
+def _source_value(flat: Mapping[Path, Any], path: Path, unit: Any) -> tuple[Any, str, bool] | None:
+    """``(the source's value at path as floats, what it was, whether it is already the target's form)``."""
+    if not (is_quantized(unit) or _floating(unit)):
+        return None
+    codes, scales, fmt = flat.get((*path, CODES)), flat.get((*path, SCALES)), flat.get((*path, FORMAT))
+    if path in flat and codes is None:  # full precision in the source
+        value = flat[path]
+        return value, f"{np.dtype(getattr(value, 'dtype', np.float32)).name}{list(np.shape(value))}", not is_quantized(unit)
+    if codes is None or scales is None:
+        return None
+    shape, dtype = tuple(unit.shape), unit.dtype
+    if fmt is None:
+        bits = _legacy_bits(codes, scales, shape)
+        if bits is None:
+            return None
+        value = legacy_decoded(codes, scales, shape, dtype, bits)
+        return value, f"{bits}-bit codes (no format)", False
+    try:
+        source_fmt = Format.from_entry(fmt)
+    except ValueError:
+        return None
+    if is_quantized(unit) and source_fmt == unit.format:
+        return flat[(*path, CODES)], source_fmt.describe(), True
+    q = QuantizedLeaf(jnp.asarray(codes), jnp.asarray(scales), shape=shape, dtype=dtype, format=source_fmt)
+    return _decode(q), f"{source_fmt.bits}-bit {'signed' if source_fmt.signed else 'unsigned'} codes", False
+
+
+_decode = jax.jit(lambda q: q.dequantize())
+
+
+# -- state dicts written before the format was recorded --------------------------------------------
+
+
+def _legacy_bits(codes: Any, scales: Any, shape: tuple[int, ...]) -> int | None:
+    """The bits of codes without a ``format``: from their shapes where only one reading fits.
+
+    Where both fit (a last axis of 1), the codes themselves tell.
+    """
+    given = (tuple(np.shape(codes)), tuple(np.shape(scales)))
+    fits = [bits for bits in (8, 4) if _legacy_shapes(shape, bits) == given]
+    if len(fits) == 2:
+        # A last axis of 1: each block is one element, its own maximum, so 8-bit codes are 0 or 255 and
+        # 4-bit bytes 0 or 15; where all are 0, both readings give the same values.
+        return 8 if bool(np.any(np.asarray(codes) > 15)) else 4
+    return fits[0] if fits else None
+
+
+def _legacy_block(last: int, bits: int) -> int:
+    if last <= 256:
+        block = max(last, 1)
+        return block + block % 2 if bits == 4 else block
+    step = 2 if bits == 4 else 1
+    for block in range(256, 63, -step):
+        if last % block == 0:
+            return block
+    return 256
+
+
+def _legacy_shapes(shape: tuple[int, ...], bits: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    if not shape:
+        return (), ()
+    last = shape[-1]
+    block = _legacy_block(last, bits)
+    codes_last = last if bits == 8 else -(-last // 2)
+    return (*shape[:-1], codes_last), (*shape[:-1], -(-last // block))
+
+
+def legacy_decoded(codes: Any, scales: Any, shape: tuple[int, ...], dtype: Any, bits: int) -> jax.Array:
+    """Codes of the first layout (blocks along the last axis, map chosen per block by the sign of its scale) as floats.
+
+    Example:
+        >>> import numpy as np
+        >>> float(legacy_decoded(np.array([255], np.uint8), np.array([-2.0], np.float32), (1,), np.float32, 8)[0])
+        2.0
+    """
+    codes, scales = np.asarray(codes), np.asarray(scales, np.float32)
+    rows = codes.reshape(-1, codes.shape[-1]) if codes.ndim else codes.reshape(1, 1)
+    last = shape[-1] if shape else 1
+    if bits == 4:
+        rows = np.stack([rows & 0xF, rows >> 4], axis=-1).reshape(rows.shape[0], -1)[:, :last]
+    block = _legacy_block(last, bits)
+    n_blocks = -(-last // block)
+    padded = np.zeros((rows.shape[0], n_blocks * block), np.int64)
+    padded[:, :last] = rows
+    scale = scales.reshape(rows.shape[0], n_blocks, 1)
+    unsigned = np.signbit(scale)
+    table = _legacy_levels(bits)
+    index = padded.reshape(rows.shape[0], n_blocks, block) + np.where(unsigned, 2**bits, 0)
+    values = table[index] * np.abs(scale)
+    values = values.reshape(rows.shape[0], n_blocks * block)[:, :last]
+    return jnp.asarray(values.reshape(shape).astype(dtype))
+
+
+def _legacy_levels(bits: int) -> np.ndarray:
+    def dynamic(n: int) -> np.ndarray:
+        return np.concatenate(
+            [10.0 ** (i - n + 1) * np.linspace(0.1, 1.0, 2**i + 1)[1:] for i in range(n)]
+        )
+
+    magnitudes = dynamic(bits - 1)
+    signed = np.concatenate([-magnitudes[::-1], [0.0], magnitudes, [1.0]])
+    unsigned = np.concatenate([[1e-8], dynamic(8)]) if bits == 8 else np.linspace(0.0, 1.0, 17)[1:]
+    return np.concatenate([signed, unsigned]).astype(np.float32)
+

@@ -1,0 +1,329 @@
+"""Low-bit state that never trains silently worse: which leaves, conversions, formats, shapes, dtypes, globs.
+
+- Only known running statistics become codes: every optax alias and every
+  ``optax.contrib`` optimizer either trains with ``state_bits=8`` like it does
+  at full precision, or keeps its state at full precision; copies of the
+  params (DoG, DoWG, mechanize, prodigy, COCOB, schedule-free, MultiSteps)
+  never become codes.
+- Codes, scales and format are one value: converted, loaded or refused whole.
+- The format travels with the codes; state dicts written before it still load.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import treeopt
+from treeopt._state import statistics
+from treeopt._state.lowbit import Format, QuantizedLeaf, is_quantized
+from treeopt._state.plain import flatten_paths
+from treeopt.errors import StateDictError, StateDictWarning
+
+FIXTURE = Path(__file__).parent / "fixtures" / "lowbit_state_dicts_v1.npz"
+
+
+def quantized_fields(opt_state: Any) -> set[str]:
+    """``"Type.field"`` of every state field that holds codes."""
+    fields = statistics.fields_by_path(opt_state)
+    out = set()
+    for path, leaf in jax.tree_util.tree_flatten_with_path(opt_state, is_leaf=is_quantized)[0]:
+        if is_quantized(leaf):
+            field = next(fields[tuple(path[:k])] for k in range(len(path), 0, -1) if tuple(path[:k]) in fields)
+            out.add(f"{field[0].__name__}.{field[1]}")
+    return out
+
+
+# -- every optax optimizer --------------------------------------------------------------------------
+
+PARAMS = {"w": jax.random.normal(jax.random.key(0), (64, 64)) / 8, "b": jnp.zeros(64)}
+TARGET = jax.random.normal(jax.random.key(1), (64, 64)) / 8
+
+
+def loss_fn(params: Any) -> jax.Array:
+    return jnp.mean((params["w"] - TARGET) ** 2) + jnp.mean((params["b"] - 0.1) ** 2)
+
+
+def _update(opt: Any, tx: Any, grads: Any, params: Any) -> Any:
+    """``opt.update``, with what an optimizer needs beyond grads and params (a value, a line search's or a
+    Hessian estimate's function)."""
+    value, grad = jax.value_and_grad(loss_fn)(params)
+    for extra in ({}, {"value": value, "grad": grad, "value_fn": loss_fn}, {"obj_fn": loss_fn}):
+        try:
+            return opt.update(grads, params, **extra)
+        except (TypeError, ValueError):
+            continue
+    raise AssertionError(f"no update of {tx} took the extra arguments tried")
+
+
+def run(tx: Any, state_bits: Any, steps: int = 25) -> tuple[Any, Any]:
+    opt = treeopt.Optimizer(tx, state_bits=state_bits).init(PARAMS)
+    params = PARAMS
+    for _ in range(steps):
+        grads = jax.grad(loss_fn)(params)
+        params = _update(opt, tx, grads, params)
+    return params, opt
+
+
+TRANSFORMATIONS = dict(statistics.transformations())
+
+
+@pytest.mark.parametrize("name", sorted(TRANSFORMATIONS))
+def test_every_optax_optimizer_trains_like_full_precision_or_keeps_its_state(name):
+    tx = TRANSFORMATIONS[name]()
+    if tx is None:
+        pytest.fail(f"{name} builds no transformation")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # deprecated aliases
+        low_params, low = run(tx, 8)
+        full_params, _ = run(tx, None)
+    held = quantized_fields(low.opt_state)
+    known = {f"{t.__name__}.{f}" for (_, t), fields in _statistics().items() for f in fields}
+    assert held <= known, f"{name}: {held - known} held as codes but not known statistics"
+    if not held:  # full precision: the very same numbers
+        for a, b in zip(jax.tree.leaves(low_params), jax.tree.leaves(full_params), strict=True):
+            np.testing.assert_array_equal(a, b)
+        return
+    low_loss, full_loss, start = float(loss_fn(low_params)), float(loss_fn(full_params)), float(loss_fn(PARAMS))
+    # Trains like full precision: the same distance from the start, within 8-bit noise.
+    assert abs(low_loss - full_loss) <= 0.02 * abs(start - full_loss) + 1e-4 * full_loss, (name, low_loss, full_loss)
+
+
+def _statistics() -> dict[tuple[str, type], dict[str, str]]:
+    out = {}
+    for (module, type_name), fields in statistics.STATISTICS.items():
+        cls = getattr(__import__(module, fromlist=[type_name]), type_name, None)
+        if cls is not None:
+            out[(module, cls)] = fields
+    return out
+
+
+COPIES = {
+    "dog": lambda: optax.contrib.dog(),
+    "dowg": lambda: optax.contrib.dowg(),
+    "mechanize": lambda: optax.contrib.mechanize(optax.adam(1e-2)),
+    "prodigy": lambda: optax.contrib.prodigy(1e-1),
+    "cocob": lambda: optax.contrib.cocob(),
+    "schedule_free": lambda: optax.contrib.schedule_free_adamw(1e-2),
+    "multi_steps": lambda: optax.MultiSteps(optax.adam(1e-2), every_k_schedule=2),
+}
+
+
+@pytest.mark.parametrize("name", sorted(COPIES))
+def test_param_copies_never_become_codes_and_training_moves_as_at_full_precision(name):
+    low_params, low = run(COPIES[name](), 8, steps=20)
+    full_params, _ = run(COPIES[name](), None, steps=20)
+    held = quantized_fields(low.opt_state)
+    for field in held:
+        assert statistics.full_precision_reason(*_field_type(field)) is None, field
+    if not held:  # nothing of it is a statistic: the very same numbers
+        np.testing.assert_array_equal(low_params["w"], full_params["w"])
+        return
+    moved = float(jnp.linalg.norm(full_params["w"] - PARAMS["w"]))
+    apart = float(jnp.linalg.norm(low_params["w"] - full_params["w"]))
+    # Its moments at 8 bits move it about as far; copies of the params as codes moved it 12,000x to 100,000x as far.
+    assert moved > 0 and apart <= 0.5 * moved, (apart, moved)
+
+
+def _field_type(field: str) -> tuple[type, str]:
+    type_name, attr = field.split(".")
+    for (_, cls), _ in _statistics().items():
+        if cls.__name__ == type_name:
+            return cls, attr
+    raise AssertionError(field)
+
+
+class CustomState(NamedTuple):
+    stat: Any
+
+
+def test_a_field_treeopt_does_not_know_keeps_full_precision_and_is_reported():
+    tx = optax.GradientTransformation(
+        lambda params: CustomState(jax.tree.map(jnp.zeros_like, params)),
+        lambda updates, state, params=None: (updates, CustomState(jax.tree.map(jnp.add, state.stat, updates))),
+    )
+    with pytest.warns(UserWarning, match=r"\['CustomState.stat'\] are not known running statistics"):
+        opt = treeopt.Optimizer(tx, state_bits=8).init({"w": jnp.ones((64, 64))})
+    assert not is_quantized(opt.opt_state.stat["w"])
+
+
+def test_the_docs_table_lists_every_params_shaped_field_of_every_optimizer():
+    rows = statistics.field_table()
+    by = {(r.transformation, r.field): r.held for r in rows}
+    assert by[("optax.adam", "ScaleByAdamState.nu")] == "8/4-bit unsigned"
+    assert by[("optax.contrib.dog", "DoGState.init_params")] == "full precision: a copy of the params"
+    assert by[("optax.lbfgs", "ScaleByLBFGSState.params")].startswith("full precision")
+    page = (Path(__file__).parents[2] / "docs" / "low-bit-state.md").read_text()
+    for row in rows:  # the page shows the table the code makes (scripts/ regenerates it)
+        assert f"| {row.transformation} | {row.field} | {row.held} |" in page, row
+
+
+# -- codes, scales and format: one value -------------------------------------------------------------
+
+PARAMS2 = {"w": jax.random.normal(jax.random.key(2), (128, 96)), "col": jax.random.normal(jax.random.key(3), (8192, 1))}
+
+
+def trained(bits: Any, steps: int = 3) -> Any:
+    opt = treeopt.Optimizer(optax.adam(1e-2), state_bits=bits).init(PARAMS2)
+    params = PARAMS2
+    for i in range(steps):
+        params = opt.update(jax.tree.map(lambda x, i=i: jnp.sin(x * (i + 1)), params), params)
+    return opt
+
+
+def moments(opt: Any) -> dict[str, np.ndarray]:
+    state = opt.opt_state[0]
+    read = lambda x: np.asarray(x.dequantize() if is_quantized(x) else x)  # noqa: E731
+    return {f"{k}/{n}": read(getattr(state, k)[n]) for k in ("mu", "nu") for n in PARAMS2}
+
+
+def test_eight_to_four_bits_keeps_the_values_and_reports_each_conversion():
+    eight = trained(8)
+    four, report = treeopt.serialization.warm_start(treeopt.Optimizer(optax.adam(1e-2), state_bits=4).init(PARAMS2), eight)
+    assert {p for p, _, _ in report.converted} == {f"opt_state/0/{k}/{n}" for k in ("mu", "nu") for n in PARAMS2}
+    assert ("opt_state/0/mu/w", "8-bit signed codes", "4-bit signed codes") in report.converted
+    before, after = moments(eight), moments(four)
+    for key in before:
+        scale = np.abs(before[key]).max()
+        np.testing.assert_allclose(after[key], before[key], atol=0.13 * scale, err_msg=key)
+        assert np.all(np.sign(after[key]) * np.sign(before[key]) >= 0), key  # never the wrong sign
+
+
+def test_four_bits_to_full_precision_keeps_the_decoded_values_exactly():
+    four = trained(4)
+    full, report = treeopt.serialization.warm_start(treeopt.Optimizer(optax.adam(1e-2)).init(PARAMS2), four)
+    assert report.ok and len(report.converted) == 4
+    for key, value in moments(four).items():
+        np.testing.assert_array_equal(moments(full)[key], value, err_msg=key)
+
+
+def test_strict_loading_other_bits_is_a_mismatch_naming_codes_and_format():
+    eight = trained(8).state_dict()
+    four = treeopt.Optimizer(optax.adam(1e-2), state_bits=4).init(PARAMS2)
+    with pytest.raises(StateDictError, match=r"opt_state/0/mu/w/format") as caught:
+        four.load_state_dict(eight)
+    text = str(caught.value)
+    assert "opt_state/0/mu/w/codes" in text and "8-bit signed" in text and "4-bit signed" in text
+
+
+def test_lenient_loading_refuses_codes_and_scales_together():
+    eight = trained(8).state_dict()
+    four = treeopt.Optimizer(optax.adam(1e-2), state_bits=4).init(PARAMS2)
+    with pytest.warns(StateDictWarning, match="format"):
+        loaded = four.load_state_dict(eight, strict=False)
+    q, fresh = loaded.opt_state[0].mu["col"], four.opt_state[0].mu["col"]
+    # The (8192, 1) leaf: scales of the same shape at 8 and 4 bits; neither part of the value loads alone.
+    np.testing.assert_array_equal(q.scales, fresh.scales)
+    np.testing.assert_array_equal(q.codes, fresh.codes)
+    assert int(loaded.step) == 3  # the rest loads
+
+
+def test_an_n_by_1_leaf_at_4_bits_reads_as_4_bits_everywhere():
+    four = trained(4)
+    sd = four.state_dict()
+    assert Format.from_entry(sd["opt_state"]["0"]["nu"]["col"]["format"]).bits == 4
+    with pytest.raises(StateDictError, match="opt_state/0/nu/col"):
+        treeopt.Optimizer(optax.adam(1e-2), state_bits=8).init(PARAMS2).load_state_dict(sd)
+    eight, _ = treeopt.serialization.warm_start(treeopt.Optimizer(optax.adam(1e-2), state_bits=8).init(PARAMS2), sd)
+    full, _ = treeopt.serialization.warm_start(treeopt.Optimizer(optax.adam(1e-2)).init(PARAMS2), sd)
+    want = moments(four)["nu/col"]
+    np.testing.assert_array_equal(moments(full)["nu/col"], want)
+    np.testing.assert_allclose(moments(eight)["nu/col"], want, rtol=0.035)
+
+
+def test_full_precision_state_into_low_bits_converts_in_a_warm_start_and_mismatches_in_a_load():
+    full = trained(None)
+    with pytest.raises(StateDictError, match="opt_state/0/mu/w/codes"):
+        treeopt.Optimizer(optax.adam(1e-2), state_bits=8).init(PARAMS2).load_state_dict(full.state_dict())
+    low, report = treeopt.serialization.warm_start(treeopt.Optimizer(optax.adam(1e-2), state_bits=8).init(PARAMS2), full)
+    assert ("opt_state/0/nu/w", "float32[128, 96]", "8-bit unsigned codes") in report.converted
+    for key, value in moments(full).items():
+        np.testing.assert_allclose(moments(low)[key], value, atol=0.0157 * np.abs(value).max(), err_msg=key)
+
+
+def test_state_dicts_written_before_formats_were_recorded_still_load():
+    saved = np.load(FIXTURE)
+    for bits in (8, 4):
+        sd: dict[str, Any] = {}
+        for key in saved.files:
+            head, *path = key.split("/")
+            if head == str(bits) and path[0] != "decoded":
+                node = sd
+                for part in path[:-1]:
+                    node = node.setdefault(part, {})
+                node[path[-1]] = saved[key]
+        decoded = {k.split("/", 2)[2]: saved[k] for k in saved.files if k.startswith(f"{bits}/decoded/")}
+        params = {"w": jnp.zeros((64, 64)), "col": jnp.zeros((8192, 1)), "row": jnp.zeros((2, 3000))}
+        # Into full precision: the values that release decoded, exactly.
+        full, report = treeopt.serialization.warm_start(treeopt.Optimizer(optax.adam(1e-2)).init(params), sd)
+        assert report.ok and len(report.converted) == 6
+        for key, value in decoded.items():
+            kind, name = key.split("/")
+            np.testing.assert_allclose(getattr(full.opt_state[0], kind)[name], value, rtol=1e-6, err_msg=key)
+        # A strict load into the same configuration: read, and held in today's format.
+        low = treeopt.Optimizer(optax.adam(1e-2), state_bits=bits).init(params).load_state_dict(sd)
+        assert int(low.step) == 3
+        for key, value in decoded.items():
+            kind, name = key.split("/")
+            got = np.asarray(getattr(low.opt_state[0], kind)[name].dequantize())
+            np.testing.assert_allclose(got, value, atol=(0.016 if bits == 8 else 0.13) * np.abs(value).max())
+
+
+# -- bytes, dtypes, globs ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", [(128, 64), (64, 4, 64), (8192, 1), (96, 96)])
+@pytest.mark.parametrize(("bits", "target"), [(8, 2.05), (4, 1.07)])
+def test_adam_state_bytes_per_parameter_on_narrow_shapes(shape, bits, target):
+    opt = treeopt.Optimizer(optax.adam(1e-3), state_bits=bits).init({"w": jnp.zeros(shape)})
+    moments_bytes = sum(x.nbytes for x in jax.tree.leaves((opt.opt_state[0].mu, opt.opt_state[0].nu)))
+    assert moments_bytes / np.prod(shape) <= target
+
+
+def test_a_glob_shadowed_by_an_earlier_one_is_an_error_naming_both():
+    params = {"embed": {"table": jnp.ones((64, 64))}, "dense": jnp.ones((64, 64))}
+    with pytest.raises(ValueError, match=re.escape("the glob 'embed/*' comes after '*'")):
+        treeopt.Optimizer(optax.adam(1e-3), state_bits={"*": 8, "embed/*": None}).init(params)
+    opt = treeopt.Optimizer(optax.adam(1e-3), state_bits={"embed/*": None, "*": 8}).init(params)
+    assert not is_quantized(opt.opt_state[0].mu["embed/table"]) and is_quantized(opt.opt_state[0].mu["dense"])
+
+
+def test_float16_state_updates_as_float16_state_does():
+    params = {"w": (jax.random.normal(jax.random.key(4), (64, 64)) * 0.1).astype(jnp.float16)}
+    # Second moments of 4e-7 to 1.6e-6: float16 subnormals, below its smallest normal (6.1e-5).
+    grads = {"w": jax.random.uniform(jax.random.key(5), (64, 64), minval=0.02, maxval=0.04).astype(jnp.float16)}
+    updates = {}
+    for bits in (None, 8):
+        opt = treeopt.Optimizer(optax.adam(1e-3), state_bits=bits).init(params)
+        opt.update(grads, params, apply_updates=False)
+        updates[bits] = np.asarray(opt.update(grads, params, apply_updates=False)["w"], np.float32)
+    np.testing.assert_allclose(updates[8], updates[None], rtol=0.05)  # was 3.5x too small
+
+
+def test_float64_moments_beyond_the_float32_range_stay_finite():
+    with jax.enable_x64(True):
+        params = {"w": jnp.zeros((64, 64), jnp.float64)}
+        opt = treeopt.Optimizer(optax.sgd(1.0, momentum=0.9), state_bits=8).init(params)
+        opt.update({"w": jnp.full((64, 64), 1e300, jnp.float64)}, params)
+        trace = opt.opt_state[0].trace["w"]
+        assert isinstance(trace, QuantizedLeaf) and trace.scales.dtype == jnp.float64
+        np.testing.assert_allclose(np.asarray(trace.dequantize()), 1e300, rtol=1e-6)
+
+
+def test_a_jitted_init_builds_the_codes_of_zeros_instead_of_computing_them():
+    opt = treeopt.Optimizer(optax.adam(1e-3), state_bits=8)
+    text = jax.jit(opt.init).lower({"w": jnp.ones((512, 512))}).as_text()
+    assert "optimization_barrier" not in text  # zeros: built, no encoder behind a barrier
+    agrad = treeopt.Optimizer(optax.adagrad(1e-3, initial_accumulator_value=0.1), state_bits=8)
+    state = jax.jit(agrad.init)({"w": jnp.ones((512, 512))}).opt_state[0].sum_of_squares["w"]
+    np.testing.assert_allclose(np.asarray(state.dequantize()), 0.1, rtol=1e-6)
+    flat = flatten_paths(jax.jit(opt.init)({"w": jnp.ones((512, 512))}).state_dict())
+    assert float(np.abs(np.asarray(flat[("opt_state", "0", "mu", "w", "scales")])).max()) == 0.0

@@ -1,0 +1,305 @@
+"""Which fields of optax's states are running statistics of the gradients, and which keep full precision.
+
+``state_bits=`` quantizes a state leaf only when it is known to be a running
+statistic: a moment, a momentum trace, an accumulator of squares, averaged
+over steps so that block-wise rounding errors average out too. Everything
+else keeps full precision, by construction rather than by a list of
+exceptions: copies of the params (DoG's ``init_params``, schedule-free's
+``z``, mechanize's ``x0``), values that set the params directly (MADGRAD's
+sums), step sizes, previous gradients, L-BFGS memories, ``MultiSteps``'
+accumulator, and any field of a transformation this table does not know.
+
+:data:`STATISTICS` names each known statistic by its state type and field,
+with its map: ``"signed"`` (moments, traces) or ``"unsigned"`` (second
+moments and sums of squares, never negative: their map has no zero level).
+:data:`FULL_PRECISION` names the params-shaped fields known to need full
+precision, with why; :func:`field_table` lists, for every optax alias and
+``optax.contrib`` optimizer, what each field becomes (the table of
+docs/low-bit-state.md is generated from it).
+
+Example:
+    >>> import optax
+    >>> statistic_map(optax.ScaleByAdamState, "nu"), statistic_map(optax.contrib.ScheduleFreeState, "z")
+    ('unsigned', None)
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+__all__ = [
+    "FULL_PRECISION",
+    "STATISTICS",
+    "FieldRow",
+    "field_table",
+    "full_precision_reason",
+    "markdown_table",
+    "statistic_map",
+]
+
+SIGNED, UNSIGNED = "signed", "unsigned"
+
+# (module, state type): {field: map}. Types are looked up by name, so an optax without one still imports.
+STATISTICS: dict[tuple[str, str], dict[str, str]] = {
+    ("optax", "ScaleByAdamState"): {"mu": SIGNED, "nu": UNSIGNED},
+    ("optax", "ScaleByAmsgradState"): {"mu": SIGNED, "nu": UNSIGNED, "nu_max": UNSIGNED},
+    ("optax", "ScaleByBeliefState"): {"mu": SIGNED, "nu": UNSIGNED},
+    ("optax", "ScaleByLionState"): {"mu": SIGNED},
+    ("optax", "ScaleByRmsState"): {"nu": UNSIGNED},
+    ("optax", "ScaleByRStdDevState"): {"mu": SIGNED, "nu": UNSIGNED},
+    ("optax._src.transform", "ScaleByRmsWithCountState"): {"nu": UNSIGNED},
+    ("optax", "ScaleByRssState"): {"sum_of_squares": UNSIGNED},
+    ("optax._src.transform", "ScaleByAdaDeltaState"): {"e_g": UNSIGNED, "e_x": UNSIGNED},
+    ("optax", "ScaleByNovogradState"): {"mu": SIGNED},
+    ("optax", "ScaleBySM3State"): {"mu": SIGNED},
+    ("optax._src.transform", "ScaleByAdanState"): {"m": SIGNED, "v": SIGNED, "n": UNSIGNED},
+    ("optax", "TraceState"): {"trace": SIGNED},
+    ("optax", "EmaState"): {"ema": SIGNED},
+    ("optax._src.factorized", "FactoredState"): {"v": UNSIGNED},
+    ("optax.contrib", "ScaleByAdemamixState"): {"m1": SIGNED, "m2": SIGNED, "nu": UNSIGNED},
+    ("optax.contrib._ademamix", "ScaleBySimplifiedAdEMAMixState"): {"m": SIGNED, "n": UNSIGNED},
+    ("optax.contrib", "MuonState"): {"mu": SIGNED},
+    ("optax.contrib", "SophiaState"): {"mu": SIGNED, "nu": SIGNED},
+    ("optax.contrib", "DAdaptAdamWState"): {"exp_avg": SIGNED, "exp_avg_sq": UNSIGNED},
+    ("optax.contrib", "ProdigyState"): {"exp_avg": SIGNED, "exp_avg_sq": UNSIGNED},
+    ("optax.contrib", "MomoState"): {"exp_avg": SIGNED},
+    ("optax.contrib", "MomoAdamState"): {"exp_avg": SIGNED, "exp_avg_sq": UNSIGNED},
+}
+
+# Params-shaped fields that are not statistics: (module, state type): {field: why}.
+FULL_PRECISION: dict[tuple[str, str], dict[str, str]] = {
+    ("optax.contrib", "DoGState"): {"init_params": "a copy of the params"},
+    ("optax.contrib", "DoWGState"): {"init_params": "a copy of the params"},
+    ("optax.contrib", "MechanicState"): {"x0": "a copy of the params"},
+    ("optax.contrib", "ScheduleFreeState"): {"z": "the params' running iterate"},
+    ("optax.contrib", "ProdigyState"): {
+        "params0": "a copy of the params",
+        "grad_sum": "sets the step size estimate",
+    },
+    ("optax.contrib", "DAdaptAdamWState"): {"grad_sum": "sets the step size estimate"},
+    ("optax.contrib", "COCOBState"): {
+        "init_particles": "a copy of the params",
+        "cumulative_gradients": "sets the params directly",
+        "scale": "sets the params directly",
+        "subgradients": "sets the params directly",
+        "reward": "sets the params directly",
+    },
+    ("optax.contrib", "MadgradState"): {
+        "x0": "a copy of the params",
+        "s": "sets the params directly",
+        "grad_sum_sq": "sets the params directly",
+    },
+    ("optax", "MultiStepsState"): {"acc_grads": "the gradient applied, summed exactly"},
+    ("optax", "ScaleByLBFGSState"): {
+        "params": "a copy of the params",
+        "updates": "the last update, for the memories",
+        "diff_params_memory": "curvature memory",
+        "diff_updates_memory": "curvature memory",
+    },
+    ("optax", "ScaleByZoomLinesearchState"): {"grad": "the gradient of the line search"},
+    ("optax._src.transform", "ScaleByAdanState"): {"g": "the previous gradient"},
+    ("optax._src.transform", "ScaleByOptimisticGradientState"): {"previous_gradient": "the previous gradient"},
+    ("optax._src.transform", "ScaleByRpropState"): {
+        "step_sizes": "per-element step sizes",
+        "prev_updates": "the previous update",
+    },
+    ("optax.contrib", "GaLoreState"): {"projector": "a projection basis"},
+    ("optax", "ScaleBySM3State"): {"nu": "SM3's cover of accumulated squares, small by design"},
+}
+
+
+@functools.cache
+def _resolved(table_id: int) -> dict[type, dict[str, str]]:
+    table = STATISTICS if table_id == 0 else FULL_PRECISION
+    out: dict[type, dict[str, str]] = {}
+    for (module, name), fields in table.items():
+        cls = getattr(_module(module), name, None)
+        if isinstance(cls, type):
+            out.setdefault(cls, {}).update(fields)
+    return out
+
+
+def _module(name: str) -> Any:
+    try:
+        return importlib.import_module(name)
+    except ImportError:  # an optax without this module
+        return None
+
+
+def statistic_map(state_type: type, field: str) -> str | None:
+    """``"signed"`` or ``"unsigned"`` when ``state_type.field`` is a known running statistic, else ``None``.
+
+    Example:
+        >>> import optax
+        >>> statistic_map(optax.TraceState, "trace"), statistic_map(optax.MultiStepsState, "acc_grads")
+        ('signed', None)
+    """
+    return _resolved(0).get(state_type, {}).get(field)
+
+
+def full_precision_reason(state_type: type, field: str) -> str | None:
+    """Why ``state_type.field`` keeps full precision when it is known to (a copy of the params, ...), else ``None``.
+
+    Example:
+        >>> import optax
+        >>> full_precision_reason(optax.contrib.DoGState, "init_params")
+        'a copy of the params'
+    """
+    return _resolved(1).get(state_type, {}).get(field)
+
+
+def fields_by_path(opt_state: Any) -> dict[tuple[Any, ...], tuple[type, str]]:
+    """``{key path of a NamedTuple field: (its state type, the field)}`` for every field in ``opt_state``.
+
+    Example:
+        >>> import jax.numpy as jnp, optax
+        >>> paths = fields_by_path(optax.adam(1e-3).init({"w": jnp.zeros(2)}))
+        >>> sorted(f"{t.__name__}.{f}" for t, f in paths.values())
+        ['ScaleByAdamState.count', 'ScaleByAdamState.mu', 'ScaleByAdamState.nu']
+    """
+    out: dict[tuple[Any, ...], tuple[type, str]] = {}
+
+    def visit(node: Any, path: tuple[Any, ...]) -> None:
+        fields = getattr(type(node), "_fields", None)
+        children = jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda x: x is not node)[0]
+        for keys, child in children:
+            key = keys[0] if keys else None
+            child_path = (*path, *keys)
+            if fields is not None and isinstance(key, jax.tree_util.GetAttrKey):
+                out[child_path] = (type(node), key.name)
+            if keys:
+                visit(child, child_path)
+
+    visit(opt_state, ())
+    return out
+
+
+# -- the table of the docs -------------------------------------------------------------------------
+
+
+class FieldRow(NamedTuple):
+    """One params-shaped field of one transformation's state, and what ``state_bits`` makes of it."""
+
+    transformation: str
+    field: str
+    held: str
+    """``"8/4-bit signed"``, ``"8/4-bit unsigned"``, or ``"full precision: <why>"``."""
+
+
+def transformations() -> Iterator[tuple[str, Callable[[], optax.GradientTransformation]]]:
+    """``(name, factory)`` of every optax alias and ``optax.contrib`` optimizer.
+
+    Found by listing the modules' functions, so a new optax brings its new
+    optimizers: those that take a ``learning_rate`` (or wrap an optimizer),
+    built with 1e-3 (or ``optax.adam(1e-3)``); building blocks without a
+    learning rate (``scale_by_*``) and those that need other arguments without
+    defaults are left out.
+    """
+    for module, functions in (
+        ("optax", _aliases()),
+        ("optax.contrib", sorted(n for n, f in inspect.getmembers(optax.contrib) if inspect.isfunction(f))),
+    ):
+        for name in functions:
+            function = getattr(importlib.import_module(module), name)
+            factory = _factory(function)
+            if factory is not None:
+                yield f"{module}.{name}", factory
+
+
+def _aliases() -> list[str]:
+    return sorted(
+        name
+        for name, f in inspect.getmembers(optax)
+        if inspect.isfunction(f) and f.__module__.startswith("optax._src.alias")
+    )
+
+
+def _factory(function: Callable[..., Any]) -> Callable[[], Any] | None:
+    kwargs: dict[str, Any] = {}
+    parameters = inspect.signature(function).parameters
+    if not {"learning_rate", "optimizer", "base_optimizer"} & set(parameters):
+        return None
+    for p in parameters.values():
+        if p.default is not inspect.Parameter.empty or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            continue
+        if p.name == "learning_rate":
+            kwargs[p.name] = 1e-3
+        elif p.name == "key":
+            kwargs[p.name] = jax.random.key(0)
+        elif p.name in ("optimizer", "base_optimizer"):
+            kwargs[p.name] = optax.adam(1e-3)
+        else:
+            return None
+
+    def build() -> Any:
+        tx = function(**kwargs)
+        return tx if isinstance(tx, optax.GradientTransformation) else None
+
+    return build
+
+
+def field_table() -> list[FieldRow]:
+    """What ``state_bits`` holds each params-shaped state field of every optax optimizer in, by name.
+
+    Example:
+        >>> rows = [row for row in field_table() if row.transformation == "optax.adam"]
+        >>> [(row.field, row.held) for row in rows]
+        [('ScaleByAdamState.mu', '8/4-bit signed'), ('ScaleByAdamState.nu', '8/4-bit unsigned')]
+    """
+    params = {"w": jnp.zeros((64, 64))}
+    rows = []
+    for name, factory in transformations():
+        try:
+            with warnings.catch_warnings():  # deprecated aliases still get a row
+                warnings.simplefilter("ignore")
+                tx = factory()
+                state = jax.eval_shape(tx.init, params) if tx is not None else None
+        except Exception:  # an optimizer that cannot init on plain params: not listed
+            continue
+        if state is None:
+            continue
+        seen = set()
+        for path, (state_type, field) in fields_by_path(state).items():
+            value = _value_at(state, path)
+            if not (isinstance(value, dict) and getattr(value.get("w"), "shape", None) == (64, 64)):
+                continue
+            key = f"{state_type.__name__}.{field}"
+            if key in seen:
+                continue
+            seen.add(key)
+            kind = statistic_map(state_type, field)
+            reason = full_precision_reason(state_type, field) or "not a known running statistic"
+            rows.append(FieldRow(name, key, f"8/4-bit {kind}" if kind else f"full precision: {reason}"))
+    return rows
+
+
+def markdown_table() -> str:
+    """:func:`field_table` as the Markdown table of docs/low-bit-state.md.
+
+    Regenerate the page's table with
+    ``python -c "from treeopt._state.statistics import markdown_table; print(markdown_table())"``.
+
+    Example:
+        >>> markdown_table().splitlines()[:2]
+        ['| optimizer | state field | with state_bits |', '|---|---|---|']
+    """
+    lines = ["| optimizer | state field | with state_bits |", "|---|---|---|"]
+    lines += [f"| {row.transformation} | {row.field} | {row.held} |" for row in field_table()]
+    return "\n".join(lines)
+
+
+def _value_at(tree: Any, path: tuple[Any, ...]) -> Any:
+    node = tree
+    for key in path:
+        node = jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda x, n=node: x is not n)[0]
+        node = next(child for keys, child in node if keys and keys[0] == key)
+    return node
