@@ -81,14 +81,22 @@ def _slot(index: int, leaf: Any) -> Slot:
 
 
 class Target(NamedTuple):
-    """The leaves of a target tree by path, and how to rebuild the tree from new leaves."""
+    """The leaves of a target tree by path, and how to rebuild the tree from new leaves.
+
+    ``fixed``: entries of the state dict that are not leaves but constants the
+    source must hold as they are (a low-bit leaf's ``format``); each binds the
+    slots beside it into one unit that loads whole or not at all.
+    ``describe_fixed`` says what a fixed value means, for the report.
+    """
 
     slots: dict[Path, Slot]
     treedef: Any
     leaves: list[Any]
+    fixed: dict[Path, Any] = {}  # noqa: RUF012  # NamedTuple defaults are shared: never mutated
+    describe_fixed: Callable[[Any], str] | None = None
 
     @classmethod
-    def of(cls, tree: Any, plain: Callable[[Any], Any]) -> Target:
+    def of(cls, tree: Any, plain: Callable[[Any], Any], describe_fixed: Callable[[Any], str] | None = None) -> Target:
         """The slots of ``tree``, at the paths of ``plain(tree)``, its state dict.
 
         Example:
@@ -99,10 +107,22 @@ class Target(NamedTuple):
         """
         leaves, treedef = jax.tree.flatten(tree)
         indexed = flatten_paths(plain(jax.tree.unflatten(treedef, list(range(len(leaves))))))
-        slots = {path: _slot(index, leaves[index]) for path, index in indexed.items()}
+        slots, fixed = {}, {}
+        for path, index in indexed.items():
+            if isinstance(index, int) and not isinstance(index, bool):
+                slots[path] = _slot(index, leaves[index])
+            else:
+                fixed[path] = index
         if sorted(s.index for s in slots.values()) != list(range(len(leaves))):
             raise AssertionError("treeopt: the state dict does not cover every leaf of the target")
-        return cls(slots, treedef, leaves)
+        return cls(slots, treedef, leaves, fixed, describe_fixed)
+
+    def units(self) -> dict[Path, tuple[Path, ...]]:
+        """``{fixed path: the slot paths beside it}``: what loads together or not at all."""
+        return {
+            path: tuple(p for p in self.slots if len(p) == len(path) and p[:-1] == path[:-1])
+            for path in self.fixed
+        }
 
     @classmethod
     def named(cls, tree: Any) -> Target:
@@ -120,6 +140,25 @@ class Target(NamedTuple):
             if hasattr(leaf, "shape") and hasattr(leaf, "dtype")
         }
         return cls(slots, treedef, leaves)
+
+
+def _same_fixed(expected: Any, got: Any) -> bool | None:
+    """Whether a source's value equals a fixed entry; ``None`` when it holds metadata, not values."""
+    if not isinstance(got, (np.ndarray, jax.Array, np.generic, list, tuple, int)):
+        return None
+    try:
+        return bool(np.array_equal(np.asarray(expected), np.asarray(got)))
+    except (TypeError, ValueError):
+        return False
+
+
+def _fixed_str(target: Target, value: Any) -> str:
+    if target.describe_fixed is not None:
+        try:
+            return target.describe_fixed(value)
+        except Exception:  # a value that is not one of the target's kind: shown as it is
+            pass
+    return describe(value) if not isinstance(value, np.ndarray) else str(value.tolist())
 
 
 # -- the source ------------------------------------------------------------------------------
@@ -428,8 +467,9 @@ def match(
         pairs = {t: s for t, s in pairs.items() if roles.wanted(t)}
         renamed = {t: s for t, s in renamed.items() if t in pairs}
     mismatched = {p: m for p, m in mismatched.items() if p not in pairs}
-    taken = set(pairs.values())
-    missing = [p for p in target.slots if p not in pairs and p not in mismatched]
+    fixed_missing, fixed_taken = _refuse_broken_units(target, entries, pairs, mismatched, renamed)
+    taken = set(pairs.values()) | fixed_taken
+    missing = [p for p in target.slots if p not in pairs and p not in mismatched] + fixed_missing
     unexpected = [p for p, v in entries.items() if p not in taken and p not in mismatched and v is not None]
     missing, unexpected, misnested = _misnested(missing, unexpected)
     report = LoadReport(
@@ -442,6 +482,52 @@ def match(
         cast=_casts(target, entries, pairs) if policy.casts else (),
     )
     return pairs, report
+
+
+def _refuse_broken_units(
+    target: Target,
+    entries: Mapping[Path, Any],
+    pairs: dict[Path, Path],
+    mismatched: dict[Path, tuple[str, str, str]],
+    renamed: dict[Path, Path],
+) -> tuple[list[Path], set[Path]]:
+    """Takes every unit whose fixed entry or any member does not fit out of ``pairs``, reporting why.
+
+    A unit is one value: loading part of it would corrupt it. Returns the
+    fixed paths the source lacks and the source paths of the fixed entries it
+    holds (found beside the members, wherever a warm start found those).
+    """
+    missing: list[Path] = []
+    taken: set[Path] = set()
+    for fixed_path, members in target.units().items():
+        parents = {pairs[m][:-1] for m in members if m in pairs}
+        source_path = (*parents.pop(), fixed_path[-1]) if len(parents) == 1 else fixed_path
+        if source_path not in entries:
+            if any(m in pairs for m in members):
+                missing.append(fixed_path)
+            broken = True
+        else:
+            taken.add(source_path)
+            broken = _same_fixed(target.fixed[fixed_path], entries[source_path]) is False
+            if broken:
+                mismatched[fixed_path] = (
+                    path_str(fixed_path),
+                    _fixed_str(target, target.fixed[fixed_path]),
+                    _fixed_str(target, entries[source_path]),
+                )
+        if not (broken or any(m not in pairs for m in members)):
+            continue
+        for member in members:
+            if member in pairs:
+                got = describe(entries.get(pairs[member]))
+                del pairs[member]
+                renamed.pop(member, None)
+                mismatched[member] = (
+                    path_str(member),
+                    target.slots[member].expected,
+                    f"{got}, not loaded without the rest of its value ({path_str(fixed_path)})",
+                )
+    return missing, taken
 
 
 def _casts(
@@ -499,6 +585,25 @@ def _user_stacklevel() -> int:
     while frame is not None and frame.f_globals.get("__name__", "").split(".")[0] == "treeopt":
         frame, level = frame.f_back, level + 1
     return level
+
+
+def _fixed_read_late(
+    target: Target, entries: Mapping[Path, Any], values: Mapping[Path, Any], pairs: dict[Path, Path]
+) -> list[tuple[str, str, str]]:
+    """Fixed entries whose source held only metadata, checked on the values read; their units are dropped."""
+    late = []
+    for fixed_path, members in target.units().items():
+        if fixed_path not in entries or _same_fixed(target.fixed[fixed_path], entries[fixed_path]) is not None:
+            continue
+        got = values.get(fixed_path)
+        if _same_fixed(target.fixed[fixed_path], got):
+            continue
+        late.append(
+            (path_str(fixed_path), _fixed_str(target, target.fixed[fixed_path]), _fixed_str(target, got))
+        )
+        for member in members:
+            pairs.pop(member, None)
+    return late
 
 
 def _fill(
@@ -565,5 +670,10 @@ def load(
     pairs, report = match(target, source.entries(), policy, roles)
     _judge(report, strict, messages)
     placements = {pairs[path]: target.slots[path].sharding for path in pairs}
+    placements.update({p: None for p in target.fixed if p in source.entries()})
     values = _verified(source, placements, policy)[1]
+    late = _fixed_read_late(target, source.entries(), values, pairs)
+    if late:  # a checkpoint's metadata could not tell: the values read do
+        report = dataclasses.replace(report, mismatched=tuple(sorted((*report.mismatched, *late))))
+        _judge(report, strict, messages)
     return _fill(target, pairs, values, policy, copy=not source.fresh), report

@@ -42,7 +42,7 @@ from treeopt._state.engine import (
     match,
     read_verified,
 )
-from treeopt._state.lowbit import is_quantized
+from treeopt._state.lowbit import describe_entry, is_quantized
 from treeopt._state.lowbit_state import converted_source
 from treeopt._state.plain import Path, flatten_paths, path_str, to_plain
 from treeopt._state.step_rule import EXPECTED, negative
@@ -95,13 +95,14 @@ def state_dict(parts: StateParts) -> dict[str, Any]:
 
 def target(parts: StateParts) -> Target:
     """The slots of the state's parts, at the paths of their state dict."""
-    return Target.of(parts, plain=plain_state)
+    return Target.of(parts, plain=plain_state, describe_fixed=describe_entry)
 
 
 def check_state_dict(parts: StateParts, sd: Any) -> LoadReport:
     """What loading ``sd`` into ``parts`` would load, and what it would not (see ``serialization.check_state_dict``)."""
     source = StateDictSource(sd, "check_state_dict")
     read_verified(source, {})
+    source = StateDictSource(_in_target_precision(parts, sd, legacy_only=True)[0], "check_state_dict")
     return match(target(parts), source.entries(), EXACT)[1]
 
 
@@ -118,6 +119,7 @@ def _refuse_a_negative_step(sd: Any) -> None:
 def load_state_dict(parts: StateParts, sd: Any, strict: bool = True) -> StateParts:
     """New parts like ``parts`` with the values of ``sd`` (see ``Optimizer.load_state_dict``)."""
     _refuse_a_negative_step(sd)
+    sd = _in_target_precision(parts, sd, legacy_only=True)[0]
     return load(target(parts), StateDictSource(sd), EXACT, _LOAD, strict=strict)[0]
 
 
@@ -148,17 +150,23 @@ def warm_start(
     return loaded, dataclasses.replace(report, converted=converted)
 
 
-def _in_target_precision(parts: StateParts, source: Any) -> tuple[Any, tuple[tuple[str, str, str], ...]]:
-    """``source`` with full-precision and low-bit values converted where the target holds the other.
+def _in_target_precision(
+    parts: StateParts, source: Any, legacy_only: bool = False
+) -> tuple[Any, tuple[tuple[str, str, str], ...]]:
+    """``source`` with full-precision and low-bit values converted where the target holds another form.
 
-    A converted source is verified against its checksum first, then loses it:
-    its values are no longer the ones the checksum covers.
+    ``legacy_only``: convert only low-bit values written before their format
+    was recorded (an exact load reads them in the current format, decoded
+    and encoded again); everything else stays for the engine to match or
+    refuse. A converted source is verified against its checksum first, then
+    loses it: its values are no longer the ones the checksum covers.
     """
     if not isinstance(source, Mapping):
         return source, ()
     leaves, treedef = jax.tree.flatten(parts, is_leaf=is_quantized)
     indexed = flatten_paths(plain_state(jax.tree.unflatten(treedef, list(range(len(leaves))))))
-    flat, converted = converted_source({path: leaves[i] for path, i in indexed.items()}, source)
+    units = {path: leaves[i] for path, i in indexed.items() if isinstance(i, int)}
+    flat, converted = converted_source(units, source, legacy_only=legacy_only)
     if not converted:
         return source, ()
     read_verified(StateDictSource(source, "warm_start"), {})
