@@ -42,9 +42,10 @@ def state_specs(
     those axes (ZeRO-1, see :func:`treeopt._sharding.zero.zero_plan`).
     """
     if shard_state_over is None:
+        sizes = {name: int(size) for name, size in dict(mesh.shape).items()} if mesh is not None else None
         out = {}
         for part, tree in parts.items():
-            treedef, leaves = state_leaf_specs(tree, layout, param_specs)
+            treedef, leaves = state_leaf_specs(tree, layout, param_specs, sizes)
             out[part] = jax.tree_util.tree_unflatten(treedef, [leaf.spec for leaf in leaves])
         return out
     treedefs, plan = zero_plan(parts, layout, param_specs, shard_state_over, mesh)

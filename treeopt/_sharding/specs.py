@@ -32,7 +32,7 @@ from __future__ import annotations
 import functools
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import jax
 import optax
@@ -268,13 +268,27 @@ def per_dimension_axes(
     return axes if len(set(axes.values())) == len(param_shape) else None
 
 
-def lowbit_role(path: tuple[Any, ...]) -> str | None:
-    """``"codes"`` or ``"scales"`` for the two arrays of a low-bit state leaf, else ``None``."""
-    last = path[-1] if path else None
-    if isinstance(last, jax.tree_util.GetAttrKey) and last.name in ("codes", "scales"):
-        return last.name
-    return None
+@runtime_checkable
+class SpecifiesItself(Protocol):
+    """A state leaf held as a small pytree of arrays that answers for its own specs (low-bit codes and scales).
 
+    As flax's ``AxisMetadata`` does for boxed params: the sharding wing asks
+    it, rather than reading its parts by name or guessing its layout from
+    their shapes.
+    """
+
+    def partition_specs(self, param_spec: PartitionSpec, axis_sizes: Mapping[str, int] | None = None) -> Any:
+        """This leaf with a ``PartitionSpec`` at each of its arrays, from its parameter's spec."""
+        ...
+
+    def zero_axes(self, param_spec: PartitionSpec, shards: int) -> list[int]:
+        """The parameter's axes a ZeRO shard of ``1 / shards`` may take for all of this leaf's arrays."""
+        ...
+
+
+def is_self_specified(x: Any) -> bool:
+    """Whether ``x`` answers for its own partition specs (:class:`SpecifiesItself`)."""
+    return isinstance(x, SpecifiesItself)
 
 
 class StateLeafSpec(NamedTuple):
@@ -289,11 +303,19 @@ class StateLeafSpec(NamedTuple):
 
 
 def state_leaf_specs(
-    opt_state: Any, layout: ParamLayout, param_specs: Mapping[str, PartitionSpec]
+    opt_state: Any,
+    layout: ParamLayout,
+    param_specs: Mapping[str, PartitionSpec],
+    axis_sizes: Mapping[str, int] | None = None,
 ) -> tuple[Any, list[StateLeafSpec]]:
-    """The treedef of ``opt_state`` and a :class:`StateLeafSpec` per leaf, in tree order."""
+    """The treedef of ``opt_state`` and a :class:`StateLeafSpec` per leaf, in tree order.
+
+    A leaf that answers for its own specs (:class:`SpecifiesItself`) is one
+    entry, whose ``spec`` is itself with a spec at each of its arrays;
+    ``axis_sizes`` (the mesh's, when known) lets it keep more of them.
+    """
     shapes = {name: tuple(shape) for name, (shape, _) in zip(layout.names, layout.avals, strict=True)}
-    flat, treedef = jax.tree_util.tree_flatten_with_path(opt_state)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(opt_state, is_leaf=is_self_specified)
     paths = [tuple(path) for path, _ in flat]
     leaf_shapes = [tuple(getattr(leaf, "shape", ())) for _, leaf in flat]
     owners = param_owners(paths, set(shapes))
@@ -307,20 +329,20 @@ def state_leaf_specs(
     for (path, leaf), owner, shape in zip(flat, owners, leaf_shapes, strict=True):
         path = tuple(path)
         if owner is None:
-            out.append(StateLeafSpec(path, leaf, None, PartitionSpec()))
+            spec: Any = PartitionSpec()
+            if is_self_specified(leaf):
+                spec = jax.tree.map(lambda _: PartitionSpec(), leaf)
+            out.append(StateLeafSpec(path, leaf, None, spec))
             continue
         name = path[owner].key
         param_shape, param_spec = shapes[name], param_specs[name]
         per_dim = per_dimension_axes(groups[path[: owner + 1]], param_shape)
-        if per_dim is not None:
+        if is_self_specified(leaf):
+            spec = leaf.partition_specs(param_spec, axis_sizes)
+        elif per_dim is not None:
             axis = per_dim[path[owner + 1 :]]
             entry = param_spec[axis] if axis < len(param_spec) else None
             spec = spec_of_entries([entry])
-        elif lowbit_role(path) is not None and len(shape) == len(param_shape) and shape != param_shape:
-            # 4-bit codes (two to a byte) and scales of a low-bit leaf: the axes before the last
-            # are the param's; the last one holds blocks, not the param's last axis.
-            padded = (*param_spec, *([None] * (len(param_shape) - len(param_spec))))
-            spec = spec_of_entries([*padded[:-1], None])
         else:
             spec = derive_spec(param_shape, param_spec, shape)
         out.append(StateLeafSpec(path, leaf, name, spec))

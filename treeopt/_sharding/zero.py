@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec
 from treeopt._sharding.specs import (
     Shape,
     axis_names_of,
-    lowbit_role,
+    is_self_specified,
     spec_of_entries,
     state_leaf_specs,
 )
@@ -301,46 +301,107 @@ def zero_plan(
     axes = zero_axes(shard_state_over, mesh)
     sizes = {name: int(size) for name, size in dict(mesh.shape).items()}
     treedefs, out = {}, []
+    shapes = {name: tuple(shape) for name, (shape, _) in zip(layout.names, layout.avals, strict=True)}
+    planned = {part: state_leaf_specs(tree, layout, param_specs, sizes)[1] for part, tree in parts.items()}
+    preferred = _preferred_dims(planned, shapes, param_specs, axes, sizes)
     for part, tree in parts.items():
-        treedefs[part], leaves = state_leaf_specs(tree, layout, param_specs)
-        codes_dims: dict[tuple[Any, ...], int | None] = {}  # a low-bit leaf's codes: the dimension split
-        shapes = {leaf.path: tuple(np.shape(leaf.leaf)) for leaf in leaves}  # a codes leaf reads its scales'
-        for path, leaf, param, spec in leaves:
+        treedefs[part] = jax.tree.structure(tree)
+        for path, leaf, param, spec in planned[part]:
+            if is_self_specified(leaf):
+                param_shape = shapes.get(param) if param is not None else None
+                out += _self_specified(part, path, leaf, param, param_shape, param_specs, axes, sizes)
+                continue
             shape = tuple(getattr(leaf, "shape", ()))
             dtype = getattr(leaf, "dtype", None)
             reason: str | None
-            role = lowbit_role(path)
             if param is None:
                 zero_spec, dim, reason = spec, None, NOT_PARAM_OWNED
-            elif role == "scales":  # follows its codes, so that every device holds whole blocks
-                codes_dim = codes_dims.get(path[:-1])
-                zero_spec, dim, reason = zero_leaf_spec(
-                    shape, spec, axes, sizes, dims=() if codes_dim is None else (codes_dim,)
-                )
-            elif role == "codes":
-                scales = shapes[(*path[:-1], jax.tree_util.GetAttrKey("scales"))]
-                zero_spec, dim, reason = zero_leaf_spec(
-                    shape, spec, axes, sizes, dims=_whole_block_dims(shape, scales, axes, sizes)
-                )
-                codes_dims[path[:-1]] = dim
             elif dtype is None or not jax.numpy.issubdtype(dtype, jax.numpy.inexact):
                 zero_spec, dim, reason = spec, None, NOT_FLOATING
             else:
                 zero_spec, dim, reason = zero_leaf_spec(shape, spec, axes, sizes)
+                if param in preferred and shape == shapes.get(param):
+                    # Shaped like its param: on the dimension the param's low-bit leaves take, so that the
+                    # arithmetic between them (a master, a compensation, a moment) stays on one layout.
+                    along = zero_leaf_spec(shape, spec, axes, sizes, dims=preferred[param])
+                    if along.dim is not None:
+                        zero_spec, dim, reason = along
             where = part + jax.tree_util.keystr(path)
             out.append(ZeroLeaf(where, param, shape, dtype, spec, zero_spec, dim, reason))
     return treedefs, ZeroReport(axes, sizes, tuple(out))
 
 
-def _whole_block_dims(codes: Shape, scales: Shape, axes: Sequence[str], sizes: Mapping[str, int]) -> list[int]:
-    """The dimensions of low-bit codes that a shard can take without cutting a block.
+def _preferred_dims(
+    planned: Mapping[str, Sequence[Any]],
+    shapes: Mapping[str, Shape],
+    param_specs: Mapping[str, PartitionSpec],
+    axes: Sequence[str],
+    sizes: Mapping[str, int],
+) -> dict[str, list[int]]:
+    """``{param: [the axis its low-bit leaves take]}`` for the params that have low-bit leaves."""
+    shards = math.prod(sizes[a] for a in axes)
+    out: dict[str, list[int]] = {}
+    for leaves in planned.values():
+        for _, leaf, param, _ in leaves:
+            if param is None or not is_self_specified(leaf) or param in out:
+                continue
+            allowed = leaf.zero_axes(param_specs[param], shards)
+            chosen = zero_leaf_spec(shapes[param], param_specs[param], axes, sizes, dims=allowed)
+            if chosen.dim is not None:
+                out[param] = [chosen.dim]
+    return out
 
-    Blocks run along the last axis, so every other dimension will do; the last
-    one only when its blocks are of one length and their number divides by the
-    shards' (the scales are then split on it too).
+
+def _self_specified(
+    part: str,
+    path: tuple[Any, ...],
+    leaf: Any,
+    param: str | None,
+    param_shape: Shape | None,
+    param_specs: Mapping[str, PartitionSpec],
+    axes: Sequence[str],
+    sizes: Mapping[str, int],
+) -> list[ZeroLeaf]:
+    """The :class:`ZeroLeaf` of each array of a leaf that answers for its own specs.
+
+    The data axes go on one axis of its parameter that the leaf says a shard
+    may take for all its arrays (whole blocks and bytes), and each array takes
+    the spec the leaf derives from that parameter spec: codes and scales are
+    split on the same parameter axis.
     """
-    n = math.prod(sizes[a] for a in axes)
-    dims = list(range(len(codes) - 1))
-    if codes and scales and codes[-1] % scales[-1] == 0 and scales[-1] % n == 0:
-        dims.append(len(codes) - 1)
-    return dims
+    before = leaf.partition_specs(param_specs[param], sizes) if param is not None else None
+    after, dim = before, None
+    reason: str | None = NOT_PARAM_OWNED
+    if param is not None and param_shape is not None:
+        param_spec = param_specs[param]
+        shards = math.prod(sizes[a] for a in axes)
+        allowed = leaf.zero_axes(param_spec, shards)
+        chosen = zero_leaf_spec(param_shape, param_spec, axes, sizes, dims=allowed)
+        reason = chosen.reason
+        if chosen.dim is not None:
+            after, dim = leaf.partition_specs(chosen.spec, sizes), chosen.dim
+    out = []
+    entries = jax.tree_util.tree_flatten_with_path(leaf)[0]
+    before_specs = jax.tree.leaves(before, is_leaf=_is_spec) if before is not None else None
+    after_specs = jax.tree.leaves(after, is_leaf=_is_spec) if after is not None else None
+    for i, (child_path, array) in enumerate(entries):
+        spec = before_specs[i] if before_specs is not None else PartitionSpec()
+        zero_spec = after_specs[i] if after_specs is not None else spec
+        where = part + jax.tree_util.keystr((*path, *child_path))
+        shape, dtype = tuple(getattr(array, "shape", ())), getattr(array, "dtype", None)
+        child_dim = _dim_of(zero_spec, axes) if dim is not None else None
+        why = None if child_dim is not None else (reason or NO_FREE_DIMENSION)
+        out.append(ZeroLeaf(where, param, shape, dtype, spec, zero_spec, child_dim, why))
+    return out
+
+
+def _is_spec(x: Any) -> bool:
+    return x is None or isinstance(x, PartitionSpec)
+
+
+def _dim_of(spec: PartitionSpec, axes: Sequence[str]) -> int | None:
+    """The dimension of ``spec`` whose entry holds the data axes, or ``None``."""
+    for d, entry in enumerate(spec):
+        if set(axes) & set(axis_names_of(entry)):
+            return d
+    return None
