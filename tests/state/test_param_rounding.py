@@ -127,6 +127,20 @@ def test_stochastic_rounding_is_unbiased_around_the_midpoint(fraction):
     assert abs(float(rounded.mean()) - float(x[0])) <= bound
 
 
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.float8_e4m3fn, jnp.float8_e5m2])
+@pytest.mark.parametrize("low", [1.0, -3.0, 0.002])
+def test_stochastic_rounding_is_unbiased_into_every_narrow_float(dtype, low):
+    near = jnp.asarray(low, dtype)
+    bits = jax.lax.bitcast_convert_type(near, jnp.uint8 if jnp.dtype(dtype).itemsize == 1 else jnp.uint16)
+    away = jax.lax.bitcast_convert_type(bits + 1, dtype)  # the neighbour of larger magnitude
+    a, b = float(near.astype(F32)), float(away.astype(F32))
+    x = jnp.full(200_000, a + 0.25 * (b - a), F32)  # a quarter of the gap from the nearest
+    rounded = np.asarray(stochastic_round(x, dtype, jax.random.key(5)).astype(F32))
+    assert set(np.unique(rounded).tolist()) <= {a, b}
+    bound = 5 * abs(b - a) * np.sqrt(0.25 * 0.75 / x.size)
+    assert abs(float(rounded.mean()) - float(x[0])) <= bound
+
+
 def test_stochastic_rounding_keeps_representable_values_and_negative_ones_unbiased():
     exact = jnp.asarray([1.0, -2.5, 0.0, 3.0], F32)
     np.testing.assert_array_equal(stochastic_round(exact, BF16, jax.random.key(0)).astype(F32), exact)
