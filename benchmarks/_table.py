@@ -24,6 +24,8 @@ NOTES: dict[str, Sequence[tuple[str, str]]] = {
         ("max_abs_diff_to_optax", "|params - optax| {:.1e}"),
     ),
     "gpu_bandwidth": (("median_ms", "{:.2f} ms/step"), ("device", "{}")),
+    "lowbit_maps": (("vs_float32", "x float32 {:.4f}"),),
+    "lowbit_speed": (("vs_baseline", "x baseline {:.2f}"), ("p25_ms", "p25 {:.2f}"), ("p75_ms", "p75 {:.2f}")),
     "gpu_lowbit": (
         ("median_ms", "{:.2f} ms/step"),
         ("time_vs_float32", "x float32 moments {:.3f}"),

@@ -5,8 +5,8 @@ and state donated, for ``treeopt.Optimizer(optax.adam(...), state_bits=b)``
 with ``b`` None (float32 moments, case 7's figure), 8 and 4. One update reads
 params, grads and both moments and writes params and both moments: at least
 ``4 + 4 + 4`` bytes of params and grads and ``2 * 2 * b / 8`` bytes of codes per
-param, plus each moment's float32 scale per block of 256 read and written:
-28 bytes per param in float32, about 16.06 in 8 bits, 14.06 in 4. The achieved
+param, plus each moment's float32 scale per block (256 elements, 128 at 4 bits)
+read and written: 28 bytes per param in float32, about 16.06 in 8 bits, 14.13 in 4. The achieved
 bandwidth is that lower bound over the step time: the closer to the device's
 peak, the less the decoding and encoding around ``tx.update`` cost. The time
 ratio to float32 moments says what the codes cost (or save) per step.
@@ -30,8 +30,8 @@ from benchmarks._common import Profile, Row, Stepper, first_call, interleaved, m
 
 CASE = "gpu_lowbit"
 N_LEAVES = 8
-WIDTH = 4096  # the last axis: blocks of 256 divide it, so no block is padded
-BLOCK = 256
+WIDTH = 4096  # the last axis: blocks of 256 (128 at 4 bits) divide it, so no block is padded
+BLOCK = {8: 256, 4: 128}
 VARIANTS: dict[str, int | None] = {"float32 moments": None, "8-bit moments": 8, "4-bit moments": 4}
 
 
@@ -39,7 +39,7 @@ def lower_bound_bytes_per_param(bits: int | None) -> float:
     """Params and grads read, params written (12 bytes), both moments read and written, scales included."""
     if bits is None:
         return 12 + 2 * 2 * 4
-    return 12 + 2 * 2 * (bits / 8 + 4 / BLOCK)
+    return 12 + 2 * 2 * (bits / 8 + 4 / BLOCK[bits])
 
 
 class Loop:

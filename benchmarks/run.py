@@ -30,6 +30,8 @@ from benchmarks import (
     eager,
     gpu_bandwidth,
     gpu_lowbit,
+    lowbit_maps,
+    lowbit_speed,
     many_leaves,
     memory,
     memory_ladder,
@@ -68,6 +70,14 @@ CASES: dict[str, tuple[str, Callable[..., list[Row]]]] = {
         memory_ladder.run,
     ),
     "gpu_lowbit": ("13. GPU: low-bit adam update bandwidth (GB/s of its lower bound)", gpu_lowbit.run),
+    "lowbit_speed": (
+        "14. Low-bit state speed: AdamW step, jitted init, stochastic rounding (x float32 state, same run)",
+        lowbit_speed.run,
+    ),
+    "lowbit_maps": (
+        "15. 4-bit signed map against the dynamic (torchao) map: first-moment error and final loss",
+        lowbit_maps.run,
+    ),
 }
 
 

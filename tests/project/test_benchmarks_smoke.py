@@ -228,7 +228,7 @@ def test_gpu_lowbit_case_code_path_runs_on_any_backend() -> None:
         assert (
             r.extra["lower_bound_bytes"] == gpu_lowbit.lower_bound_bytes_per_param(bits) * r.extra["n_params"]
         )
-    assert [gpu_lowbit.lower_bound_bytes_per_param(b) for b in (None, 8, 4)] == [28, 16.0625, 14.0625]
+    assert [gpu_lowbit.lower_bound_bytes_per_param(b) for b in (None, 8, 4)] == [28, 16.0625, 14.125]
 
 
 def test_markdown_table_has_one_line_per_row() -> None:

@@ -546,8 +546,8 @@ def constant(value: float, shape: Sequence[int], dtype: Any, fmt: Format) -> Qua
         scale, level = abs(value), (-1.0 if value < 0 else 1.0)
     if not fmt.signed:
         level = 1.0
-    with jax.ensure_compile_time_eval():  # a Python int, also while an init is traced
-        code = int(lowbit_maps.encode(np.float32(level if scale else 0.0), fmt.bits, fmt.signed))
+    table = lowbit_maps.levels(fmt.bits, fmt.signed)  # a Python int from the table: nothing to compile
+    code = int(np.argmin(np.abs(table.astype(np.float64) - (level if scale else 0.0))))
     byte = code | (code << 4) if fmt.bits == 4 else code
     codes = jnp.full(codes_shape(shape, fmt), byte, jnp.uint8)
     scales = jnp.full(scales_shape(shape, fmt), scale, _scales_dtype(dtype))

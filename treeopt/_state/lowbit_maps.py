@@ -176,8 +176,8 @@ def levels(bits: int, signed: bool) -> np.ndarray:
         >>> levels(4, False)[:3], levels(8, True)[[0, 127, 128, 255]]
         (array([0.0625, 0.125 , 0.1875], dtype=float32), array([ 0.,  1., -0., -1.], dtype=float32))
     """
-    with jax.ensure_compile_time_eval():
-        table = np.asarray(decode(jnp.arange(2**bits), bits, signed), np.float32)
+    with jax.ensure_compile_time_eval():  # concrete also while a step or an init is traced; one program
+        table = np.asarray(jax.jit(decode, static_argnums=(1, 2))(jnp.arange(2**bits), bits, signed), np.float32)
     table.flags.writeable = False
     return table
 
