@@ -75,56 +75,55 @@ STATISTICS: dict[tuple[str, str], dict[str, str]] = {
     ("optax.contrib", "MomoAdamState"): {"exp_avg": SIGNED, "exp_avg_sq": UNSIGNED},
 }
 
-# Params-shaped fields that are not statistics: (module, state type): {field: why}.
-FULL_PRECISION: dict[tuple[str, str], dict[str, str]] = {
-    ("optax.contrib", "DoGState"): {"init_params": "a copy of the params"},
-    ("optax.contrib", "DoWGState"): {"init_params": "a copy of the params"},
-    ("optax.contrib", "MechanicState"): {"x0": "a copy of the params"},
-    ("optax.contrib", "ScheduleFreeState"): {"z": "the params' running iterate"},
-    ("optax.contrib", "ProdigyState"): {
-        "params0": "a copy of the params",
-        "grad_sum": "sets the step size estimate",
-    },
-    ("optax.contrib", "DAdaptAdamWState"): {"grad_sum": "sets the step size estimate"},
-    ("optax.contrib", "COCOBState"): {
-        "init_particles": "a copy of the params",
-        "cumulative_gradients": "sets the params directly",
-        "scale": "sets the params directly",
-        "subgradients": "sets the params directly",
-        "reward": "sets the params directly",
-    },
-    ("optax.contrib", "MadgradState"): {
-        "x0": "a copy of the params",
-        "s": "sets the params directly",
-        "grad_sum_sq": "sets the params directly",
-    },
-    ("optax", "MultiStepsState"): {"acc_grads": "the gradient applied, summed exactly"},
-    ("optax", "ScaleByLBFGSState"): {
-        "params": "a copy of the params",
-        "updates": "the last update, for the memories",
-        "diff_params_memory": "curvature memory",
-        "diff_updates_memory": "curvature memory",
-    },
-    ("optax", "ScaleByZoomLinesearchState"): {"grad": "the gradient of the line search"},
-    ("optax._src.transform", "ScaleByAdanState"): {"g": "the previous gradient"},
-    ("optax._src.transform", "ScaleByOptimisticGradientState"): {"previous_gradient": "the previous gradient"},
-    ("optax._src.transform", "ScaleByRpropState"): {
-        "step_sizes": "per-element step sizes",
-        "prev_updates": "the previous update",
-    },
-    ("optax.contrib", "GaLoreState"): {"projector": "a projection basis"},
-    ("optax", "ScaleBySM3State"): {"nu": "SM3's cover of accumulated squares, small by design"},
-}
+# Params-shaped fields that are not statistics, and why: "module state-type field: why", a line each.
+_FULL_PRECISION_LINES = """
+optax.contrib DoGState init_params: a copy of the params
+optax.contrib DoWGState init_params: a copy of the params
+optax.contrib MechanicState x0: a copy of the params
+optax.contrib ScheduleFreeState z: the params' running iterate
+optax.contrib ProdigyState params0: a copy of the params
+optax.contrib ProdigyState grad_sum: sets the step size estimate
+optax.contrib DAdaptAdamWState grad_sum: sets the step size estimate
+optax.contrib COCOBState init_particles: a copy of the params
+optax.contrib COCOBState cumulative_gradients: sets the params directly
+optax.contrib COCOBState scale: sets the params directly
+optax.contrib COCOBState subgradients: sets the params directly
+optax.contrib COCOBState reward: sets the params directly
+optax.contrib MadgradState x0: a copy of the params
+optax.contrib MadgradState s: sets the params directly
+optax.contrib MadgradState grad_sum_sq: sets the params directly
+optax MultiStepsState acc_grads: the gradient applied, summed exactly
+optax ScaleByLBFGSState params: a copy of the params
+optax ScaleByLBFGSState updates: the last update, for the memories
+optax ScaleByLBFGSState diff_params_memory: curvature memory
+optax ScaleByLBFGSState diff_updates_memory: curvature memory
+optax ScaleByZoomLinesearchState grad: the gradient of the line search
+optax._src.transform ScaleByAdanState g: the previous gradient
+optax._src.transform ScaleByOptimisticGradientState previous_gradient: the previous gradient
+optax._src.transform ScaleByRpropState step_sizes: per-element step sizes
+optax._src.transform ScaleByRpropState prev_updates: the previous update
+optax.contrib GaLoreState projector: a projection basis
+optax ScaleBySM3State nu: SM3's cover of accumulated squares, small by design
+"""
+FULL_PRECISION: tuple[tuple[str, str, str, str], ...] = tuple(
+    (*head.split(), why.strip())  # type: ignore[misc]
+    for head, why in (line.split(":", 1) for line in _FULL_PRECISION_LINES.strip().splitlines())
+)
+"""``(module, state type, field, why)`` of every params-shaped field known to need full precision."""
 
 
 @functools.cache
 def _resolved(table_id: int) -> dict[type, dict[str, str]]:
-    table = STATISTICS if table_id == 0 else FULL_PRECISION
+    """One of the two tables by state type (the types this optax has): {type: {field: map or why}}."""
+    if table_id == 0:
+        rows = [(m, n, f, kind) for (m, n), fields in STATISTICS.items() for f, kind in fields.items()]
+    else:
+        rows = list(FULL_PRECISION)
     out: dict[type, dict[str, str]] = {}
-    for (module, name), fields in table.items():
+    for module, name, field, value in rows:
         cls = getattr(_module(module), name, None)
         if isinstance(cls, type):
-            out.setdefault(cls, {}).update(fields)
+            out.setdefault(cls, {})[field] = value
     return out
 
 
