@@ -89,18 +89,38 @@ def _traced(inputs: StepInputs, extra_args: Mapping[str, Any] | None = None) -> 
     """The step itself; :func:`flat_step` decides whether it runs traced or compiled.
 
     Low-bit state leaves are read as floats for ``tx.update`` and encoded again
-    after it, against block maxima taken from a twin of the step
-    (:func:`treeopt._state.lowbit_state.encoded_after_step` says why).
+    after it; on a CPU, against block maxima taken from a twin of the step
+    (:func:`treeopt._state.lowbit_state.encoded_after_step` says why). On an
+    accelerator XLA fuses a reduction with the values it reduces, and one
+    evaluation serves.
     """
     extra = inputs.extra_args() if extra_args is None else extra_args
     held = inputs.opt_state
     if not has_quantized(held):
         return _stepped(inputs, extra)
+    if not twin_evaluation():
+        out = _stepped(dataclasses.replace(inputs, opt_state=decoded(held)), extra)
+        return out._replace(opt_state=encoded_after_step(held, out.opt_state))
     twin_inputs = jax.lax.optimization_barrier(inputs)
     out = _stepped(dataclasses.replace(twin_inputs, opt_state=decoded(twin_inputs.opt_state)), extra)
     main = _stepped(dataclasses.replace(inputs, opt_state=decoded(held)), extra)
     outputs = out.output if isinstance(out.output, Mapping) else None
     return out._replace(opt_state=encoded_after_step(held, main.opt_state, out.opt_state, outputs))
+
+
+TWIN_EVALUATION: bool | None = None
+"""Whether a step with low-bit state evaluates a twin for the block maxima: ``None`` decides by the backend."""
+
+
+def twin_evaluation() -> bool:
+    """Whether a low-bit step takes its block maxima from a twin evaluation: on a CPU, unless told otherwise.
+
+    Example:
+        >>> import jax
+        >>> twin_evaluation() == (jax.default_backend() == "cpu")
+        True
+    """
+    return jax.default_backend() == "cpu" if TWIN_EVALUATION is None else TWIN_EVALUATION
 
 
 def _stepped(inputs: StepInputs, extra: Mapping[str, Any]) -> FlatStep:
