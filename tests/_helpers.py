@@ -62,3 +62,11 @@ def python_blocks(text: str) -> list[tuple[int, str]]:
 def is_spec(x: Any) -> bool:
     """A leaf of a spec tree: a ``PartitionSpec`` or ``None`` (replicated)."""
     return x is None or isinstance(x, PartitionSpec)
+
+
+def x64() -> Any:
+    """A context with 64-bit types enabled: ``jax.enable_x64`` where JAX has it (the lower bound's is experimental)."""
+    enable = getattr(jax, "enable_x64", None)
+    if enable is None:
+        from jax.experimental import enable_x64 as enable
+    return enable(True)

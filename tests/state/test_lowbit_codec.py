@@ -25,6 +25,8 @@ from treeopt._state.lowbit import (
 )
 from treeopt._state.lowbit import quantize as quantize_eagerly
 
+from _helpers import x64
+
 # One compiled program per shape and format (eagerly, the codec would compile op by op).
 quantize = jax.jit(quantize_eagerly, static_argnums=1, static_argnames=("signed", "fmt"))
 
@@ -127,7 +129,7 @@ def test_a_float16_second_moment_is_not_floored_at_float16s_smallest_normal():
 
 
 def test_a_float64_moment_beyond_the_float32_range_stays_finite():
-    with jax.enable_x64(True):
+    with x64():
         x = jnp.asarray(np.linspace(1e300, 2e300, 4096), jnp.float64)
         q = quantize(x, 8, signed=False)
         assert q.scales.dtype == jnp.float64

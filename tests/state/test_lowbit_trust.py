@@ -28,6 +28,8 @@ from treeopt._state.lowbit import Format, QuantizedLeaf, is_quantized
 from treeopt._state.plain import flatten_paths
 from treeopt.errors import StateDictError, StateDictWarning
 
+from _helpers import x64
+
 FIXTURE = Path(__file__).parent / "fixtures" / "lowbit_state_dicts_v1.npz"
 
 
@@ -309,7 +311,7 @@ def test_float16_state_updates_as_float16_state_does():
 
 
 def test_float64_moments_beyond_the_float32_range_stay_finite():
-    with jax.enable_x64(True):
+    with x64():
         params = {"w": jnp.zeros((64, 64), jnp.float64)}
         opt = treeopt.Optimizer(optax.sgd(1.0, momentum=0.9), state_bits=8).init(params)
         opt.update({"w": jnp.full((64, 64), 1e300, jnp.float64)}, params)

@@ -458,7 +458,7 @@ def block_maxima(x: Any, fmt: Format) -> jax.Array:
         # The bits of a non-negative float order like the float, NaN above infinity: a maximum by
         # integer comparison keeps NaN. As a select it stays a loop XLA fuses the values into.
         as_int = jnp.int64 if compute == jnp.float64 else jnp.int32
-        parts = [jax.lax.bitcast_convert_type(blocks[..., i::fan], as_int) for i in range(fan)]
+        parts = [jax.lax.bitcast_convert_type(jax.lax.slice_in_dim(blocks, i, None, fan, -1), as_int) for i in range(fan)]
         while len(parts) > 1:
             parts = [jnp.where(a > b, a, b) for a, b in zip(parts[::2], parts[1::2], strict=True)]
         blocks = jax.lax.bitcast_convert_type(parts[0], compute)
