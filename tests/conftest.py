@@ -15,6 +15,8 @@
   cold and nothing carries over from an earlier one. To keep one between
   runs, point ``JAX_COMPILATION_CACHE_DIR`` at a directory of your own; it is
   then used and left in place.
+- The notebooks belong to the slow tier (``-m slow``), with the tests marked
+  ``slow``.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+
+import pytest
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
@@ -42,3 +46,10 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")  # any 
 def pytest_unconfigure(config):
     if _CACHE_IS_OURS and not hasattr(config, "workerinput"):  # the run is over: its cache goes
         shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m selects by marker
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if item.path.suffix == ".ipynb":
+            item.add_marker(pytest.mark.slow)

@@ -558,6 +558,7 @@ def test_worked_example_mlp_on_2x4_mesh():
     assert params["hidden"]["kernel"].sharding.spec == P(None, "model")
 
 
+@pytest.mark.slow  # with the other pages' code, in the slow tier (-m slow)
 def test_docs_page_code_runs_pasted_top_to_bottom():
     """docs/sharding.md: its ```python blocks (not the ```py fragments), run in order as one
     program in a fresh Python, as a reader pastes them: its own set-up provides the 8 devices."""
