@@ -115,9 +115,14 @@ def train(params, opt, steps, start=0):
 
 @functools.cache
 def trained(name, steps=2):
-    """``(params, opt)`` after ``steps`` steps; cached (one compile per transformation), so never mutate it."""
+    """``(params, opt)`` after ``steps`` steps; cached (one compile per transformation), so never mutate it.
+
+    On device 0, as a restored checkpoint is: training it on after a restore runs the same
+    compiled step, where uncommitted arrays would need one compile more per layout.
+    """
     params = initial_params(name)
     opt = treeopt.Optimizer(CASES[name]()).init(params)
+    params, opt = jax.device_put((params, opt), jax.devices()[0])
     return train(params, opt, steps)
 
 

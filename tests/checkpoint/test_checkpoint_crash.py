@@ -7,6 +7,12 @@
   save returned for; the next save clears the debris.
 - ``CheckpointManager(max_to_keep=...)`` never lists a step that cannot
   restore, at whatever instant its process dies while dropping old steps.
+
+The crashes simulated at every filesystem operation are the proof, one
+operation at a time. The SIGKILLs check what a simulation cannot: a real
+death with orbax's background threads and async saves in flight, unflushed
+writes, and a lock the kernel releases. A few of them suffice for that (each
+starts a Python child, seconds each); ``TREEOPT_KILL_TRIALS`` runs more.
 - Steps, ``max_to_keep`` and ``save_interval_steps`` are checked, with errors
   that name the value and what was expected.
 - A damaged or half-deleted checkpoint's errors say it is damaged or incomplete.
@@ -490,6 +496,9 @@ def _wait_for_a_deletion(directory, rng, timeout=3.0):
 # The random instants are drawn from this seed, so that two runs try the same ones; set
 # TREEOPT_KILL_SEED to try others (a failure names the seed it ran with).
 KILL_SEED = 20240607
+# Kills per test: two at a random delay, two during a deletion. TREEOPT_KILL_TRIALS=50 (say)
+# tries many more instants, after a change to how saves write, commit or delete.
+KILL_TRIALS = int(os.environ.get("TREEOPT_KILL_TRIALS", 4))
 
 
 def _kill_at_random_instants(tmp_path, mode, watched, trials, check):
@@ -547,7 +556,7 @@ def test_forced_saves_killed_at_random_instants_never_lose_the_newest_checkpoint
         assert low <= got <= high, (trial, got, saved, newest)
         newest.append(got)
 
-    _kill_at_random_instants(tmp_path, "save", path.parent, 12, check)
+    _kill_at_random_instants(tmp_path, "save", path.parent, KILL_TRIALS, check)
     ckpt.save(path, *state_at(10_000), force=True)
     assert restored_step(path) == 10_000
     assert siblings(path) == ["ckpt"]
@@ -565,7 +574,7 @@ def test_a_manager_killed_at_random_instants_lists_only_steps_that_restore(tmp_p
             assert steps and steps[-1] >= latest[-1], (trial, steps, latest)
         latest.append(steps[-1] if steps else None)
 
-    _kill_at_random_instants(tmp_path, "manager", directory, 12, check)
+    _kill_at_random_instants(tmp_path, "manager", directory, KILL_TRIALS, check)
     assert dropped_steps_left(directory) == []  # opening a manager emptied it
     with contextlib.suppress(FileNotFoundError):
         shutil.rmtree(tmp_path / "scratch")

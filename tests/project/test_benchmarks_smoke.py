@@ -187,6 +187,7 @@ def check_gpu_case_skips_cleanly_without_a_gpu(results: dict) -> None:
             assert first["value"] > 0
 
 
+@pytest.mark.slow  # a minute of compiling: the slow tier (-m slow) runs it
 def test_smoke_run_measures_every_case(tmp_path: Path) -> None:
     # One test for the whole run: the suite compiles a few dozen small programs.
     returned = run.main(["--smoke", "--silent", "--out", str(tmp_path)])

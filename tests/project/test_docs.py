@@ -6,9 +6,10 @@
   ``pytest --doctest-modules`` (the project's default options) executes them.
 - Every page named in the ``nav`` of ``mkdocs.yml`` exists.
 - The guides run: in the pages of ``RUNNABLE_PAGES`` every fenced block marked
-  ```` ```python ```` is executed, in page order, in one namespace per page.
-  Blocks that only show code (other libraries, fragments) are marked
-  ```` ```py ````, which renders the same.
+  ```` ```python ```` is executed, in page order, in one namespace per page
+  (in the slow tier: ``python -m pytest -n 2 -m slow``). Blocks that only show
+  code (other libraries, fragments) are marked ```` ```py ````, which renders
+  the same.
 """
 
 from __future__ import annotations
@@ -334,6 +335,7 @@ def test_python_blocks_are_found():
     assert python_blocks(text) == [(3, "x = 1\n"), (9, "y = 2\n")]
 
 
+@pytest.mark.slow  # over a minute of compiling in all: the slow tier (-m slow) runs them
 @pytest.mark.parametrize("page", RUNNABLE_PAGES)
 def test_guide_runs(page, monkeypatch, tmp_path):
     path = DOCS / page

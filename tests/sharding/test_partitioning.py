@@ -1,10 +1,20 @@
 """Partition specs and shardings for the optimizer state of any optax transformation.
 
-The specs are checked leaf by leaf against the rule each leaf should follow
-(written here from what each optax state holds, independently of how treeopt
-derives them), then used for real: ``jax.jit`` with ``in_shardings`` /
-``out_shardings`` on a 2x4 mesh of the 8 virtual CPU devices, measuring every
-state leaf's per-device shard.
+The specs of every transformation are checked leaf by leaf against the rule
+each leaf should follow (written here from what each optax state holds,
+independently of how treeopt derives them), then used for real: ``jax.jit``
+with ``in_shardings`` / ``out_shardings`` on a 2x4 mesh of the 8 virtual CPU
+devices, measuring every state leaf's per-device shard.
+
+The mesh runs compile, so they run on ``ON_THE_MESH``: one transformation for
+each distinct state structure (``state_structure``: where each state leaf sits
+in the tree, how it relates to its parameter, its dtype kind, and the
+``MaskedNode`` placeholders). Transformations of the same structure get the same
+specs leaf for leaf and the same sharded init and step; what tells them apart is
+only their arithmetic, which the parity tests check on one device.
+``test_the_mesh_runs_cover_every_state_structure`` fails when a transformation
+with a new structure joins the list and no transformation of that structure is
+run on the mesh.
 """
 
 from __future__ import annotations
@@ -77,6 +87,37 @@ NEEDS_VALUE = {"reduce_on_plateau", "momo"}
 # Specs checked, no sharded steps: lbfgs' update needs value_fn; optax.sm3 cannot
 # update a rank-0 param (multi_transform_sm3 runs sm3 on the others).
 SPECS_ONLY = {"lbfgs", "sm3"}
+# Run on the mesh: one transformation of each state structure (the module's docstring).
+# Those of the same structure as one here: adam for adabelief, adamax, adamaxw, adamw,
+# adan, ademamix, adopt, amsgrad, lamb, lion, madgrad, nadam, nadamw, radam, signum and
+# yogi; sgd_momentum for adadelta, adagrad, cocob, lars, rmsprop, rmsprop_momentum and
+# rprop; sgd for fromage and sign_sgd; momo for dadapt_adamw and prodigy.
+ON_THE_MESH = (
+    "adafactor",
+    "adam",
+    "apply_if_finite",
+    "clip_adamw",
+    "dog",
+    "galore",
+    "inject_hyperparams",
+    "inject_schedule",
+    "masked",
+    "masked_adafactor",
+    "mechanize",
+    "momo",
+    "multi_steps",
+    "multi_transform",
+    "multi_transform_sm3",
+    "muon",
+    "noisy_sgd",
+    "novograd",
+    "optimistic_adam_v2",
+    "optimistic_gradient_descent",
+    "reduce_on_plateau",
+    "schedule_free_adamw",
+    "sgd",
+    "sgd_momentum",
+)
 
 SHAPES = {
     "dense": {"kernel": (16, 8), "bias": (8,)},
@@ -330,7 +371,40 @@ def sharded_step(tx_name, mesh, opt_sh, param_sh):
     return jax.jit(step, in_shardings=(param_sh, opt_sh, None), out_shardings=(param_sh, opt_sh))
 
 
-@pytest.mark.parametrize("name", sorted(set(TRANSFORMATIONS) - SPECS_ONLY))
+def state_structure(name):
+    """What a mesh run of ``name`` depends on besides arithmetic, as a set: for each state leaf,
+    its place in the tree (the kinds of its path's keys, its parameter's name as ``N``), its
+    shape beside its parameter's (or its rank, when no parameter owns it) and its dtype kind;
+    and where ``MaskedNode`` placeholders sit."""
+    opt = jax.eval_shape(treeopt.Optimizer(TRANSFORMATIONS[name]()).init, make_params())
+    is_masked = lambda x: isinstance(x, optax.MaskedNode)  # noqa: E731
+    found = set()
+    for path, leaf in jax.tree_util.tree_flatten_with_path(opt.opt_state, is_leaf=is_masked)[0]:
+        owner = [i for i, k in enumerate(path) if isinstance(k, DictKey) and k.key in FLAT_SHAPES]
+        where = "".join("N" if i in owner else type(k).__name__[0] for i, k in enumerate(path))
+        if is_masked(leaf):
+            found.add((where, "masked"))
+            continue
+        dtype = "key" if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key) else leaf.dtype.kind
+        if owner:
+            shape = FLAT_SHAPES[path[owner[-1]].key]
+            relation = "its param's shape" if leaf.shape == shape else f"rank {leaf.ndim} of {len(shape)}"
+        else:
+            relation = f"no param's, rank {leaf.ndim}"
+        found.add((where, relation, dtype))
+    return frozenset(found)
+
+
+def test_the_mesh_runs_cover_every_state_structure():
+    assert set(ON_THE_MESH) <= set(TRANSFORMATIONS) - SPECS_ONLY
+    on_the_mesh = {state_structure(name) for name in ON_THE_MESH}
+    compiled_elsewhere = sorted(set(TRANSFORMATIONS) - SPECS_ONLY - set(ON_THE_MESH))
+    missing = [name for name in compiled_elsewhere if state_structure(name) not in on_the_mesh]
+    assert not missing, f"no transformation of the state structure of {missing} is in ON_THE_MESH: add one"
+    assert len(on_the_mesh) == len(ON_THE_MESH), "two of ON_THE_MESH have the same structure: one is enough"
+
+
+@pytest.mark.parametrize("name", ON_THE_MESH)
 def test_jit_on_a_2x4_mesh_keeps_the_state_sharded(name):
     mesh = make_mesh()
     param_sh = named_shardings(PARAM_SPECS, mesh)
@@ -484,6 +558,7 @@ def test_worked_example_mlp_on_2x4_mesh():
     assert params["hidden"]["kernel"].sharding.spec == P(None, "model")
 
 
+@pytest.mark.slow  # with the other pages' code, in the slow tier (-m slow)
 def test_docs_page_code_runs_pasted_top_to_bottom():
     """docs/sharding.md: its ```python blocks (not the ```py fragments), run in order as one
     program in a fresh Python, as a reader pastes them: its own set-up provides the 8 devices."""
