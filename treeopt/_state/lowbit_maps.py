@@ -58,6 +58,7 @@ _UNSIGNED8_BASE = (127 - 16) << 23
 # The 8-bit signed map: segments of _OCTAVES octaves each, the top one with _TOP_BITS mantissa bits and
 # each next one a bit fewer; magnitudes below the last segment are linear, down to exact 0.
 _TOP_BITS, _OCTAVES, _SEGMENTS = 5, 2, 6
+assert _OCTAVES & (_OCTAVES - 1) == 0 and 64 >> (_SEGMENTS - 1) == 2  # the encoder's shift and two linear codes
 
 
 def _linear_step() -> float:
@@ -114,48 +115,34 @@ def encode(y: Any, bits: int, signed: bool) -> jax.Array:
         z = jnp.abs(y)
         lowest = 64 >> (_SEGMENTS - 1)
         pattern = jax.lax.bitcast_convert_type(z, jnp.int32)
-        # The segment from the octave: 0 for the top _OCTAVES octaves, below 1.
-        segment = jnp.clip((126 - (pattern >> 23)) // _OCTAVES, 0, _SEGMENTS - 1)
+        # The segment from the octave: 0 for the top _OCTAVES octaves, below 1. A shift, not //, which
+        # XLA would correct for negative numerators with three more operations per element.
+        octave = 126 - (pattern >> 23)
+        segment = jnp.clip(jax.lax.shift_right_arithmetic(octave, _OCTAVES.bit_length() - 1), 0, _SEGMENTS - 1)
         shift = 23 - _TOP_BITS + segment
         base = (127 - _OCTAVES * (segment + 1)) << 23
         steps = (pattern - base + (1 << (shift - 1))) >> shift
-        tapered = jnp.clip(steps - 1 + (64 >> segment), lowest - 1, 127)  # 0 steps: the segment below's top
+        tapered = jnp.clip(steps - 1 + (64 >> segment), lowest, 127)  # 0 steps: the segment below's top
+        # The linear magnitudes below the tapered ones are 0 and 1 step: a comparison picks between them.
         step = _linear_step()
-        linear = jnp.minimum(jnp.round(z * (1 / step)).astype(jnp.int32), lowest - 1)
-        m = jnp.where(z < (lowest - 0.5) * step, linear, jnp.maximum(tapered, lowest))
+        m = jnp.where(z < (lowest - 0.5) * step, (z >= 0.5 * step).astype(jnp.int32), tapered)
         return jnp.where((y < 0) & (m > 0), m + 128, m)  # no negative zero: one code for 0
     if bits == 8:
         # Below the midpoint of level 15 (2**-15) and level 16 (2**-15 * 17/16): the linear codes.
         linear = jnp.clip(jnp.round(y * (1 / _UNSIGNED8_LINEAR)).astype(jnp.int32) - 1, 0, 15)
         return jnp.where(y < 2.0**-15 * (33 / 32), linear, jnp.clip(_grid_code(y, _UNSIGNED8_BASE), 16, 255))
     if signed:
-        # The rank of |y| among the midpoints of its side, by a binary search of four comparisons: XLA
-        # evaluates y anew for each use, so fifteen comparisons would cost fifteen evaluations.
+        # The rank of |y| among the midpoints of its side (8 above 0, 7 below): a count of comparisons,
+        # each against the midpoint of y's side, which XLA vectorizes as selects.
         positive, negative = _signed4_midpoints()
-        tables = (_padded16(positive), _padded16(negative))
         negative_side = y < 0
         z = jnp.abs(y)
         rank = jnp.zeros(y.shape, jnp.int32)
-        for step in (8, 4, 2, 1):
-            threshold = _select_threshold(rank + step - 1, negative_side, tables, step)
-            rank = jnp.where(z > threshold, rank + step, rank)
+        for i, above in enumerate(positive):
+            below = np.float32(negative[i]) if i < len(negative) else np.float32(np.inf)
+            rank = rank + (z > jnp.where(negative_side, below, np.float32(above))).astype(jnp.int32)
         return jnp.where(negative_side, 7 - rank, 7 + rank)
     return jnp.clip(jnp.round(y * 16).astype(jnp.int32) - 1, 0, 15)
-
-
-def _padded16(midpoints: tuple[float, ...]) -> tuple[float, ...]:
-    return (*midpoints, *([np.inf] * (16 - len(midpoints))))
-
-
-def _select_threshold(index: jax.Array, negative: jax.Array, tables: Any, step: int) -> jax.Array:
-    """``tables[negative][index]`` where ``index`` takes only the values ``step - 1 + 2 * step * i``."""
-    candidates = range(step - 1, 16, 2 * step)
-    chosen = None
-    for i in candidates:
-        value = jnp.where(negative, np.float32(tables[1][i]), np.float32(tables[0][i]))
-        chosen = value if chosen is None else jnp.where(index == i, value, chosen)
-    assert chosen is not None
-    return chosen
 
 
 def _grid(code: jax.Array, base: int) -> jax.Array:
