@@ -15,11 +15,11 @@ from treeopt._compat.deprecations import moved_names
 from treeopt._sharding.explicit import like_inputs
 from treeopt._sharding.optimizer_specs import optimizer_state_specs
 from treeopt._state import state_dict as _state_dict
-from treeopt._state.initial import as_transformation, init_inputs, transformation_name
-from treeopt._state.lowbit_state import checked_state_bits, constant_leaves, quantized_state
-from treeopt._state.master import checked_master_dtype, param_dtypes_of
-from treeopt._state.rounding import checked_param_rounding
 from treeopt._state.state_dict import StateParts
+from treeopt._step.initial import as_transformation, init_inputs, transformation_name
+from treeopt._step.lowbit_state import checked_state_bits, constant_leaves, quantized_state
+from treeopt._step.master import checked_master_dtype, param_dtypes_of
+from treeopt._step.rounding import checked_param_rounding
 from treeopt._tree.layout import ParamLayout, Wrt, is_lookahead
 from treeopt._update.donated import donated, refuse_donated
 from treeopt._update.inputs import FlatInputs, flat_inputs

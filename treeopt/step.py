@@ -20,11 +20,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from treeopt._state.lowbit_state import decoded, encoded_after_step, has_quantized
-from treeopt._state.master import master_step
-from treeopt._state.rounding import rounding_step
-from treeopt._state.step_io import FlatStep, StepInputs
-from treeopt._state.step_rule import next_step
+from treeopt._step.lowbit_state import decoded, encoded_after_step, has_quantized
+from treeopt._step.master import master_step
+from treeopt._step.rounding import rounding_step
+from treeopt._step.step_io import FlatStep, StepInputs
+from treeopt._step.step_rule import next_step
 from treeopt._update.trace_guard import is_tracer, strong
 from treeopt.typing import Params
 
@@ -90,7 +90,7 @@ def _traced(inputs: StepInputs, extra_args: Mapping[str, Any] | None = None) -> 
 
     Low-bit state leaves are read as floats for ``tx.update`` and encoded again
     after it; on a CPU, against block maxima taken from a twin of the step
-    (:func:`treeopt._state.lowbit_state.encoded_after_step` says why). On an
+    (:func:`treeopt._step.lowbit_state.encoded_after_step` says why). On an
     accelerator XLA fuses a reduction with the values it reduces, and one
     evaluation serves.
     """

@@ -22,7 +22,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import treeopt
-from treeopt._state.rounding import stochastic_round
+from treeopt._step.rounding import stochastic_round
 
 from _helpers import assert_trees_equal
 

@@ -42,10 +42,11 @@ from treeopt._state.engine import (
     match,
     read_verified,
 )
-from treeopt._state.lowbit import describe_entry, is_quantized
-from treeopt._state.lowbit_state import converted_source
-from treeopt._state.plain import Path, flatten_paths, path_str, to_plain
-from treeopt._state.step_rule import EXPECTED, negative
+from treeopt._state.plain import to_plain
+from treeopt._step.lowbit import describe_entry, is_quantized
+from treeopt._step.lowbit_state import converted_source
+from treeopt._step.step_rule import EXPECTED, negative
+from treeopt._tree.paths import Path, flatten_paths, path_str
 from treeopt.errors import LoadReport, StateDictError
 from treeopt.keys import key_data
 

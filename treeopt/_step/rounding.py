@@ -36,8 +36,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from treeopt._state.step_io import FlatStep, StepInputs
-from treeopt._state.step_rule import next_step
+from treeopt._step.step_io import FlatStep, StepInputs
+from treeopt._step.step_rule import next_step
 
 __all__ = ["CHOICES", "checked_param_rounding", "initial_rounding", "narrow", "rounding_step", "stochastic_round"]
 

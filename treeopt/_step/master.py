@@ -23,8 +23,8 @@ import numpy as np
 import optax
 
 from treeopt._sharding.explicit import resharded_like
-from treeopt._state.step_io import FlatStep, StepInputs
-from treeopt._state.step_rule import next_step
+from treeopt._step.step_io import FlatStep, StepInputs
+from treeopt._step.step_rule import next_step
 
 
 def checked_master_dtype(master_dtype: Any) -> np.dtype | None:

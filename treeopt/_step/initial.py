@@ -20,8 +20,8 @@ from typing import Any
 import jax.numpy as jnp
 import optax
 
-from treeopt._state.master import masters_of
-from treeopt._state.rounding import initial_rounding, narrow
+from treeopt._step.master import masters_of
+from treeopt._step.rounding import initial_rounding, narrow
 from treeopt._tree.layout import ParamLayout
 
 __all__ = ["as_transformation", "init_inputs", "transformation_name"]
