@@ -1,8 +1,11 @@
 """State dicts of an optimizer's state parts: nested plain dicts of arrays, keyed by parameter name.
 
-``state_dict(parts)`` of the :class:`StateParts` (step, optax state, masters) is ``{"step": ..., "opt_state": ...}``: ``opt_state`` in
-the plain form of :mod:`treeopt._state.plain`; with master weights also
-``"master": {name: array}``. The params-shaped parts of an optax
+``state_dict(parts)`` of the :class:`StateParts` (step, optax state, the
+params' precision's state) is ``{"step": ..., "opt_state": ...}``:
+``opt_state`` in the plain form of :mod:`treeopt._state.plain`, and the
+entries of the precision (:meth:`treeopt._step.precision.Precision.entries`):
+``"master": {name: array}`` with master weights, ``"compensation"`` or
+``"rounding_key"`` with ``param_rounding``. The params-shaped parts of an optax
 state are already dicts keyed by parameter name (the optimizer runs optax on
 its flat, named params), so a leaf reads ``opt_state/0/mu/dense/kernel``
 whatever the order of the leaves, and a new, unrelated layer only adds names.
@@ -45,6 +48,7 @@ from treeopt._state.engine import (
 from treeopt._state.plain import to_plain
 from treeopt._step.lowbit import describe_entry, is_quantized
 from treeopt._step.lowbit_state import converted_source
+from treeopt._step.precision import held_as
 from treeopt._step.step_rule import EXPECTED, negative
 from treeopt._tree.paths import Path, flatten_paths, path_str
 from treeopt.errors import LoadReport, StateDictError
@@ -78,15 +82,8 @@ class StateParts(NamedTuple):
 
 def plain_state(parts: StateParts) -> dict[str, Any]:
     """The state dict of ``parts`` built from its leaves as they are (also for a tree of indices)."""
-    plain = {"step": key_data(parts.step), "opt_state": to_plain(parts.opt_state)}
-    if parts.master:
-        plain["master"] = dict(parts.master)
-    rounding = parts.rounding or {}
-    if "compensation" in rounding:
-        plain["compensation"] = dict(rounding["compensation"])
-    if "key" in rounding:
-        plain["rounding_key"] = key_data(rounding["key"])
-    return plain
+    precision, held = held_as(parts.master, parts.rounding)
+    return {"step": key_data(parts.step), "opt_state": to_plain(parts.opt_state), **precision.entries(held)}
 
 
 def state_dict(parts: StateParts) -> dict[str, Any]:
