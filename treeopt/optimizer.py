@@ -416,12 +416,7 @@ class Optimizer:
         if name.startswith("_") or object.__getattribute__(self, "_layout") is None:
             raise AttributeError(f"'Optimizer' object has no attribute '{name}'")
         found = _hyperparams.get_hyperparams(object.__getattribute__(self, "opt_state"))
-        if name in found:
-            return found[name]
-        raise AttributeError(
-            f"'Optimizer' object has no attribute or injected hyperparameter '{name}'"
-            + (f" (hyperparameters: {sorted(found)})" if found else "")
-        )
+        return _hyperparams.hyperparameter_attribute(self, name, found)
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name in _FIELDS:

@@ -49,9 +49,9 @@ from treeopt._state.plain import to_plain
 from treeopt._step.lowbit import describe_entry, is_quantized
 from treeopt._step.lowbit_state import converted_source
 from treeopt._step.precision import held_as
-from treeopt._step.step_rule import EXPECTED, negative
+from treeopt._step.step_rule import refuse_a_negative_step
 from treeopt._tree.paths import Path, flatten_paths, path_str
-from treeopt.errors import LoadReport, StateDictError
+from treeopt.errors import LoadReport
 from treeopt.keys import key_data
 
 _LOAD = Messages(
@@ -104,19 +104,9 @@ def check_state_dict(parts: StateParts, sd: Any) -> LoadReport:
     return match(target(parts), source.entries(), EXACT)[1]
 
 
-def _refuse_a_negative_step(sd: Any) -> None:
-    """A negative ``"step"`` is refused, strict or not: checkpoint steps follow the same rule."""
-    value = negative(sd.get("step")) if isinstance(sd, Mapping) else None
-    if value is not None:
-        raise StateDictError.between(
-            _LOAD.lead,
-            mismatched=[("step", f"{EXPECTED} (the rule of checkpoint steps too)", str(value))],
-        )
-
-
 def load_state_dict(parts: StateParts, sd: Any, strict: bool = True) -> StateParts:
     """New parts like ``parts`` with the values of ``sd`` (see ``Optimizer.load_state_dict``)."""
-    _refuse_a_negative_step(sd)
+    refuse_a_negative_step(sd, _LOAD.lead)
     sd = _in_target_precision(parts, sd, legacy_only=True)[0]
     return load(target(parts), StateDictSource(sd), EXACT, _LOAD, strict=strict)[0]
 
@@ -140,7 +130,7 @@ def warm_start(
             return False
         return (include is None or include(name)) and not (exclude is not None and exclude(name))
 
-    _refuse_a_negative_step(source)
+    refuse_a_negative_step(source, _LOAD.lead)
     roles = Roles(frozenset(names), wanted)
     source, converted = _in_target_precision(parts, source)
     source_ = StateDictSource(source, "warm_start")
