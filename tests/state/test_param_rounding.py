@@ -161,6 +161,13 @@ def test_new_random_bits_every_step_and_the_key_in_the_state():
     assert "rounding_key" in opt.state_dict()
 
 
+def test_each_narrow_param_draws_its_own_random_bits():
+    params = {"a": jnp.full((256,), 1.0, BF16), "b": jnp.full((256,), 1.0, BF16)}
+    opt = treeopt.Optimizer(optax.sgd(2.0**-9), param_rounding="stochastic").init(params)
+    new = opt.update({"a": jnp.full((256,), -1.0, BF16), "b": jnp.full((256,), -1.0, BF16)}, params)
+    assert not np.array_equal(np.asarray(new["a"]), np.asarray(new["b"]))  # the same values, other bits
+
+
 # -- bytes, options, bad input ---------------------------------------------------------------------
 
 
@@ -190,6 +197,15 @@ def test_float32_leaves_are_stepped_exactly_as_without_the_option():
         plain = treeopt.Optimizer(optax.adam(1e-2)).init(params).update(grads, params)
         np.testing.assert_array_equal(ours["wide"], plain["wide"])
         assert ours["narrow"].dtype == BF16
+
+
+@pytest.mark.parametrize("mode", ["kahan", "stochastic"])
+def test_a_model_with_no_param_narrower_than_float32_is_refused_naming_param_rounding(mode):
+    # It would do nothing, silently, as a master_dtype not wider than any param would.
+    with pytest.raises(ValueError, match=rf"param_rounding='{mode}' rounds params narrower than float32.*float32"):
+        treeopt.Optimizer(optax.adam(1e-3), param_rounding=mode).init(make_params(F32))
+    opt = treeopt.Optimizer(optax.adam(1e-3), param_rounding=mode).init({"w": jnp.ones(2), "b": jnp.ones(2, BF16)})
+    assert opt.opt_state[0].mu["b"].dtype == F32  # one narrow param is enough
 
 
 def test_together_with_master_dtype_is_an_error_naming_both():
