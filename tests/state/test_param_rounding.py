@@ -25,6 +25,7 @@ import treeopt
 from treeopt._step.rounding import stochastic_round
 
 from _helpers import assert_trees_equal
+from _teacher_student import TeacherStudent, final_loss
 
 D_IN, D_HIDDEN, D_OUT = 64, 128, 32
 STEPS, BATCH = 500, 64
@@ -46,22 +47,8 @@ def loss_fn(params, x):
     return jnp.mean((hidden @ params["w2"].astype(F32) - x @ TEACHER) ** 2)
 
 
-def batch(i):
-    return jax.random.normal(jax.random.fold_in(jax.random.key(1), i), (BATCH, D_IN))
-
-
-@jax.jit
-def train_step(params, opt, i):
-    loss, grads = jax.value_and_grad(loss_fn)(params, batch(i))
-    return opt.update(grads, params), opt, loss
-
-
-def train(opt, params, steps=STEPS, start=0):
-    losses = []
-    for i in range(start, start + steps):
-        params, opt, loss = train_step(params, opt, i)
-        losses.append(float(loss))
-    return params, opt, float(np.mean(losses[-100:]))
+TASK = TeacherStudent(loss_fn, make_params, d_in=D_IN, batch_size=BATCH, steps=STEPS)
+batch, train_step, train = TASK.batch, TASK.step, TASK.train
 
 
 @functools.cache
@@ -70,8 +57,8 @@ def run(mode, lr):
     params = make_params(F32 if mode == "f32" else BF16)
     rounding = mode if mode in ("kahan", "stochastic") else None
     opt = treeopt.Optimizer(optax.adam(lr), param_rounding=rounding).init(params)
-    params, _, loss = train(opt, params)
-    return jax.tree.map(lambda x: np.asarray(x, np.float32), params), loss
+    params, _, losses = train(opt, params)
+    return jax.tree.map(lambda x: np.asarray(x, np.float32), params), final_loss(losses)
 
 
 def distance_from_f32(mode, lr):
