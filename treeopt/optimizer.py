@@ -93,7 +93,8 @@ class Optimizer:
             (``"kahan"``: a compensation buffer in the param's dtype, +2 bytes
             per bfloat16 parameter) or unbiased stochastic rounding
             (``"stochastic"``: one PRNG key). ``None`` (default): rounded to
-            nearest. Not together with ``master_dtype``. See
+            nearest. Not together with ``master_dtype``, and refused at
+            ``init`` where no trainable param is narrower than float32. See
             ``docs/mixed-precision.md``.
 
     Example:

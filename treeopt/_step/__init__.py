@@ -3,8 +3,10 @@
 - ``step_io``: the step corridor: what one step takes and gives back.
 - ``step_rule``: what a step count may be (a state dict's, a checkpoint's).
 - ``initial``: the transformation checked, and what ``tx.init`` sees for fresh params.
-- ``master``: master weights (wider copies of narrow params) and their step.
-- ``rounding``: narrow params without a copy: Kahan-compensated or stochastic rounding.
+- ``precision``: one precision layer: how a param is held and takes a float32
+  update (as is, master weights, Kahan, stochastic rounding), one ``narrower``
+  predicate, and the one step every way takes.
+- ``rounding``: stochastic rounding into a narrow float dtype, unbiased.
 - ``lowbit_maps``: the non-linear maps of low-bit codes, as bit arithmetic.
 - ``lowbit``: the block-wise 8- and 4-bit codec of state leaves (``state_bits=``).
 - ``statistics``: which fields of an optax state are running statistics.
