@@ -206,11 +206,13 @@ def follow(master: Mapping[str, Any], params: Mapping[str, Any]) -> dict[str, An
 
     A param the step itself returned equals its master cast down, so its
     master (with the bits the param lacks) is kept; a param changed behind the
-    optimizer (loaded, written in place) wins. The masters pass through a
-    ``lax.cond`` on whether any param changed, so the compare-and-select is
-    never fused into the step's own arithmetic: unchanged, the step is the
-    program it would be without it (XLA orders a fused reduction over the
-    masters otherwise, and the masters drift from float32 optax).
+    optimizer (loaded, written in place) wins. The compare-and-select runs in
+    a loop of one trip if any param changed and of none otherwise, so it never
+    joins the step's own arithmetic: unchanged, the step is the program it
+    would be without it (fused into it, the select made XLA order the
+    reductions over the masters otherwise, and they drifted from float32
+    optax). A loop, not a ``lax.cond``: its carry is updated in place, where a
+    cond's result is a copy of the masters on a GPU.
 
     Example:
         >>> import jax.numpy as jnp
@@ -222,16 +224,20 @@ def follow(master: Mapping[str, Any], params: Mapping[str, Any]) -> dict[str, An
     given = {name: resharded_like(params[name], m) for name, m in master.items() if name in params}
     if not given:
         return dict(master)
-    same = {name: given[name] == master[name].astype(p.dtype) for name, p in given.items()}
-    changed = functools.reduce(jnp.logical_or, [~jnp.all(s) for s in same.values()])
+    changed = functools.reduce(
+        jnp.logical_or, [jnp.any(p != master[name].astype(p.dtype)) for name, p in given.items()]
+    )
 
-    def taken() -> dict[str, Any]:
-        return {
-            name: jnp.where(same[name], m, given[name].astype(m.dtype)) if name in same else m
-            for name, m in master.items()
+    def taken(carry: tuple[Any, dict[str, Any]]) -> tuple[Any, dict[str, Any]]:
+        _, masters = carry
+        return jnp.zeros((), bool), {
+            name: jnp.where(given[name] == m.astype(given[name].dtype), m, given[name].astype(m.dtype))
+            if name in given
+            else m
+            for name, m in masters.items()
         }
 
-    return jax.lax.cond(changed, taken, lambda: dict(master))
+    return jax.lax.while_loop(lambda carry: carry[0], taken, (changed, dict(master)))[1]
 
 
 @dataclasses.dataclass(frozen=True)
