@@ -122,6 +122,26 @@ def get_hyperparams(opt_state: OptState) -> Hyperparams:
     return Hyperparams(values, scheduled)
 
 
+def hyperparameter_attribute(owner: object, name: str, found: Mapping[str, Any]) -> Any:
+    """``found[name]``, a hyperparameter read as an attribute of ``owner``; else the ``AttributeError`` listing them.
+
+    What ``__getattr__`` of an optimizer that reads its injected
+    hyperparameters as attributes returns (``opt.learning_rate``).
+
+    Example:
+        >>> hyperparameter_attribute(object(), "lr", {"learning_rate": 0.1})
+        Traceback (most recent call last):
+        ...
+        AttributeError: 'object' object has no attribute or injected hyperparameter 'lr' (hyperparameters: ['learning_rate'])
+    """
+    if name in found:
+        return found[name]
+    raise AttributeError(
+        f"'{type(owner).__name__}' object has no attribute or injected hyperparameter '{name}'"
+        + (f" (hyperparameters: {sorted(found)})" if found else "")
+    )
+
+
 def _resolve(located: dict[str, tuple[Any, str]], key: str) -> list[tuple[Any, str]]:
     if key in located:
         return [located[key]]

@@ -5,7 +5,8 @@ call the public modules (``treeopt``, ``treeopt.serialization``,
 ``treeopt.checkpoint``, ``treeopt.partitioning``, ...); a layer that keeps
 the optimizer's state in another shape uses these to share the core's work
 rather than repeat it: the state-dict engine and its policies, the checksum,
-the checked conversion of hyperparameter values, the names of key paths,
+the checked conversion of hyperparameter values and their reading as
+attributes, the refusal of a negative step, the names of key paths,
 the spec derivation that ZeRO-1 builds on, and the check of a spec tree
 against the params.
 
@@ -29,28 +30,27 @@ from treeopt._sharding.specs import (
 from treeopt._sharding.zero import ZeroLeafSpec, zero_leaf_spec
 from treeopt._state.checksum import with_checksum
 from treeopt._state.engine import BY_KIND, EXACT, Messages, Policy, StateDictSource, Target, load
-from treeopt._state.step_rule import EXPECTED as STEP_EXPECTED
-from treeopt._state.step_rule import negative as negative_step
+from treeopt._step.step_rule import refuse_a_negative_step
 from treeopt._tree.paths import path_to_name
-from treeopt.hyperparams import checked_value
+from treeopt.hyperparams import checked_value, hyperparameter_attribute
 
 __all__ = [
     "BY_KIND",
     "EXACT",
     "Messages",
     "Policy",
-    "STEP_EXPECTED",
     "StateDictSource",
     "Target",
     "ZeroLeafSpec",
     "checked_value",
     "derive_spec",
     "flat_param_specs",
+    "hyperparameter_attribute",
     "is_spec",
     "load",
-    "negative_step",
     "path_to_name",
     "per_dimension_axes",
+    "refuse_a_negative_step",
     "spec_leaves_with_names",
     "with_checksum",
     "zero_leaf_spec",

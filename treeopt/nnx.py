@@ -42,6 +42,7 @@ import optax
 from flax import nnx
 
 import treeopt
+from treeopt.internal import hyperparameter_attribute
 from treeopt.typing import OptState, ParamSpecs, StateDict, Updates
 
 __all__ = ["ModelAndOptimizer", "Optimizer"]
@@ -294,13 +295,7 @@ class Optimizer(nnx.Pytree, Generic[M]):
                 f"{type(self).__name__} has no 'model', as nnx.Optimizer has none: "
                 "use treeopt.nnx.ModelAndOptimizer, which keeps the model."
             )
-        found = _raw_value(state).hyperparams
-        if name in found:
-            return found[name]
-        raise AttributeError(
-            f"'{type(self).__name__}' object has no attribute or injected hyperparameter '{name}'"
-            + (f" (hyperparameters: {sorted(found)})" if found else "")
-        )
+        return hyperparameter_attribute(self, name, _raw_value(state).hyperparams)
 
     def __setattr__(self, name: str, value: Any) -> None:
         state = vars(self).get("treeopt")

@@ -15,20 +15,20 @@ from treeopt._compat.deprecations import moved_names
 from treeopt._sharding.explicit import like_inputs
 from treeopt._sharding.optimizer_specs import optimizer_state_specs
 from treeopt._state import state_dict as _state_dict
-from treeopt._state.initial import as_transformation, init_inputs, transformation_name
-from treeopt._state.lowbit_state import checked_state_bits, constant_leaves, quantized_state
-from treeopt._state.master import checked_master_dtype, param_dtypes_of
-from treeopt._state.rounding import checked_param_rounding
 from treeopt._state.state_dict import StateParts
+from treeopt._step.initial import as_transformation, init_inputs, transformation_name
+from treeopt._step.lowbit_state import checked_state_bits, constant_leaves, quantized_state
+from treeopt._step.precision import (
+    checked_master_dtype,
+    checked_param_rounding,
+    param_dtypes_of,
+    precision_of,
+)
+from treeopt._step.step_io import strong
 from treeopt._tree.layout import ParamLayout, Wrt, is_lookahead
 from treeopt._update.donated import donated, refuse_donated
 from treeopt._update.inputs import FlatInputs, flat_inputs
-from treeopt._update.trace_guard import (
-    CAPTURED,
-    concrete_or_eager_autodiff,
-    is_tracer,
-    strong,
-)
+from treeopt._update.trace_guard import CAPTURED, concrete_or_eager_autodiff, is_tracer
 from treeopt.step import flat_step, stable_dtypes
 from treeopt.typing import Params, ParamSpecs, StateDict, Updates
 
@@ -93,7 +93,8 @@ class Optimizer:
             (``"kahan"``: a compensation buffer in the param's dtype, +2 bytes
             per bfloat16 parameter) or unbiased stochastic rounding
             (``"stochastic"``: one PRNG key). ``None`` (default): rounded to
-            nearest. Not together with ``master_dtype``. See
+            nearest. Not together with ``master_dtype``, and refused at
+            ``init`` where no trainable param is narrower than float32. See
             ``docs/mixed-precision.md``.
 
     Example:
@@ -273,16 +274,15 @@ class Optimizer:
         """
         lookahead = is_lookahead(params)
         layout = ParamLayout.of(params.fast if lookahead else params, self.wrt)
-        flat, master, rounding = init_inputs(
-            layout, params, lookahead, self.master_dtype, self.param_rounding
-        )
+        precision = precision_of(self.master_dtype, self.param_rounding)
+        flat, held = init_inputs(layout, params, lookahead, precision)
         opt_state = stable_dtypes(self.tx, jax.tree.map(strong, self.tx.init(flat)), flat, lookahead)
         if self.state_bits is not None:
             grads = flat.fast if lookahead else flat
             constants = constant_leaves(self.tx.init, flat) if any(is_tracer(x) for x in jax.tree.leaves(grads)) else None
             opt_state = quantized_state(opt_state, layout, self.state_bits, grads, constants)
-        children = (jnp.zeros((), jnp.int32), opt_state, master, rounding)
-        return Optimizer._tree_unflatten(self._static(layout, lookahead), children)
+        parts = StateParts(jnp.zeros((), jnp.int32), opt_state, {}, {})._replace(**precision.placed(held))
+        return Optimizer._tree_unflatten(self._static(layout, lookahead), tuple(parts))
 
     # -- update ------------------------------------------------------------------
 
@@ -417,12 +417,7 @@ class Optimizer:
         if name.startswith("_") or object.__getattribute__(self, "_layout") is None:
             raise AttributeError(f"'Optimizer' object has no attribute '{name}'")
         found = _hyperparams.get_hyperparams(object.__getattribute__(self, "opt_state"))
-        if name in found:
-            return found[name]
-        raise AttributeError(
-            f"'Optimizer' object has no attribute or injected hyperparameter '{name}'"
-            + (f" (hyperparameters: {sorted(found)})" if found else "")
-        )
+        return _hyperparams.hyperparameter_attribute(self, name, found)
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name in _FIELDS:

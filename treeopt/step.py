@@ -17,24 +17,15 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
-from treeopt._state.lowbit_state import decoded, encoded_after_step, has_quantized
-from treeopt._state.master import master_step
-from treeopt._state.rounding import rounding_step
-from treeopt._state.step_io import FlatStep, StepInputs
-from treeopt._state.step_rule import next_step
-from treeopt._update.trace_guard import is_tracer, strong
+from treeopt._step.lowbit_state import decoded, encoded_after_step, has_quantized
+from treeopt._step.precision import held_as, narrower, precision_step
+from treeopt._step.step_io import FlatStep, StepInputs, strong
+from treeopt._update.trace_guard import is_tracer
 from treeopt.typing import Params
 
 __all__ = ["FlatStep", "flat_step"]
-
-
-def _narrow_float(leaf: Any) -> bool:
-    """A floating leaf narrower than 32 bits (bfloat16, float16, float8): the kind arithmetic promotes."""
-    dtype = getattr(leaf, "dtype", None)
-    return dtype is not None and jnp.issubdtype(dtype, jnp.inexact) and np.dtype(dtype).itemsize < 4
 
 
 def stable_dtypes(tx: optax.GradientTransformation, opt_state: Any, flat: Any, lookahead: bool) -> Any:
@@ -47,7 +38,7 @@ def stable_dtypes(tx: optax.GradientTransformation, opt_state: Any, flat: Any, l
     loads into ``init`` / ``eval_shape(init)``. Found by tracing updates
     (shapes only, nothing runs) until the dtypes stop changing.
     """
-    if not any(_narrow_float(leaf) for leaf in jax.tree.leaves(opt_state)):
+    if not any(narrower(getattr(leaf, "dtype", None)) for leaf in jax.tree.leaves(opt_state)):
         return opt_state  # 32/64-bit state: nothing to promote, and tracing costs ~1 ms a leaf
     grads = flat.fast if lookahead else flat
     state = opt_state
@@ -90,20 +81,20 @@ def _traced(inputs: StepInputs, extra_args: Mapping[str, Any] | None = None) -> 
 
     Low-bit state leaves are read as floats for ``tx.update`` and encoded again
     after it; on a CPU, against block maxima taken from a twin of the step
-    (:func:`treeopt._state.lowbit_state.encoded_after_step` says why). On an
+    (:func:`treeopt._step.lowbit_state.encoded_after_step` says why). On an
     accelerator XLA fuses a reduction with the values it reduces, and one
     evaluation serves.
     """
     extra = inputs.extra_args() if extra_args is None else extra_args
     held = inputs.opt_state
     if not has_quantized(held):
-        return _stepped(inputs, extra)
+        return precision_step(inputs, extra)
     if not twin_evaluation():
-        out = _stepped(dataclasses.replace(inputs, opt_state=decoded(held)), extra)
+        out = precision_step(dataclasses.replace(inputs, opt_state=decoded(held)), extra)
         return out._replace(opt_state=encoded_after_step(held, out.opt_state))
     twin_inputs = jax.lax.optimization_barrier(inputs)
-    out = _stepped(dataclasses.replace(twin_inputs, opt_state=decoded(twin_inputs.opt_state)), extra)
-    main = _stepped(dataclasses.replace(inputs, opt_state=decoded(held)), extra)
+    out = precision_step(dataclasses.replace(twin_inputs, opt_state=decoded(twin_inputs.opt_state)), extra)
+    main = precision_step(dataclasses.replace(inputs, opt_state=decoded(held)), extra)
     outputs = out.output if isinstance(out.output, Mapping) else None
     return out._replace(opt_state=encoded_after_step(held, main.opt_state, out.opt_state, outputs))
 
@@ -121,17 +112,6 @@ def twin_evaluation() -> bool:
         True
     """
     return jax.default_backend() == "cpu" if TWIN_EVALUATION is None else TWIN_EVALUATION
-
-
-def _stepped(inputs: StepInputs, extra: Mapping[str, Any]) -> FlatStep:
-    """``tx.update`` on float state, through the masters or the param rounding when there are any."""
-    if inputs.master:
-        return master_step(inputs, extra)
-    if inputs.rounding:
-        return rounding_step(inputs, extra)
-    updates, new_state = inputs.tx.update(inputs.grads, inputs.opt_state, inputs.params, **extra)
-    output = optax.apply_updates(inputs.params, updates) if inputs.apply_updates else updates
-    return FlatStep(next_step(inputs.step), new_state, output)
 
 
 # The eager path: one compiled program per (tx, avals, static extras) instead of many small ops.
@@ -197,11 +177,12 @@ def flat_step(
         >>> int(out.step), out.output["w"]
         (1, Array([0.5, 0.5], dtype=float32))
     """
+    precision, held = held_as(master, rounding, param_dtypes)
+
     def inputs(extra: Mapping[str, Any] | None = None) -> StepInputs:
         return StepInputs.of(
             tx, step, opt_state, flat_grads, flat_params,
-            apply_updates=apply_updates, extra_args=extra, master=master, rounding=rounding,
-            param_dtypes=param_dtypes,
+            precision=precision, held=held, apply_updates=apply_updates, extra_args=extra,
         )  # fmt: skip
 
     if is_tracer(step):

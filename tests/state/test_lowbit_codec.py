@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from treeopt._state import lowbit_maps
-from treeopt._state.lowbit import (
+from treeopt._step import lowbit_maps
+from treeopt._step.lowbit import (
     Format,
     QuantizedLeaf,
     block_layout,
@@ -23,7 +23,7 @@ from treeopt._state.lowbit import (
     is_quantized,
     scales_shape,
 )
-from treeopt._state.lowbit import quantize as quantize_eagerly
+from treeopt._step.lowbit import quantize as quantize_eagerly
 
 from _helpers import x64
 

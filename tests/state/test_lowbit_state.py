@@ -22,10 +22,11 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import treeopt
-from treeopt._state.lowbit import Format, QuantizedLeaf, is_quantized
+from treeopt._step.lowbit import Format, QuantizedLeaf, is_quantized
 from treeopt.errors import StateDictError
 
 from _helpers import assert_trees_equal
+from _teacher_student import TeacherStudent, final_loss
 
 D_IN, D_HIDDEN, D_OUT = 64, 128, 64
 STEPS, BATCH = 400, 32
@@ -47,27 +48,8 @@ def loss_fn(params, x):
     return jnp.mean((h @ params["out"]["kernel"] - jnp.sin(x @ TEACHER)) ** 2)
 
 
-def batch(i):
-    return jax.random.normal(jax.random.fold_in(jax.random.key(1), i), (BATCH, D_IN))
-
-
-@jax.jit
-def train_step(params, opt, i):
-    loss, grads = jax.value_and_grad(loss_fn)(params, batch(i))
-    return opt.update(grads, params), opt, loss
-
-
-def train(opt, params=None, steps=STEPS, start=0):
-    params = make_params() if params is None else params
-    losses = []
-    for i in range(start, start + steps):
-        params, opt, loss = train_step(params, opt, i)
-        losses.append(float(loss))
-    return params, opt, losses
-
-
-def final_loss(losses):
-    return float(np.mean(losses[-100:]))  # the last quarter: one run's noise averages out
+TASK = TeacherStudent(loss_fn, make_params, d_in=D_IN, batch_size=BATCH, steps=STEPS)
+batch, train_step, train = TASK.batch, TASK.step, TASK.train
 
 
 TRANSFORMATIONS = {

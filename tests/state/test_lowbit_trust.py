@@ -23,9 +23,9 @@ import optax
 import pytest
 
 import treeopt
-from treeopt._state import statistics
-from treeopt._state.lowbit import Format, QuantizedLeaf, is_quantized
-from treeopt._state.plain import flatten_paths
+from treeopt._step import statistics
+from treeopt._step.lowbit import Format, QuantizedLeaf, is_quantized
+from treeopt._tree.paths import flatten_paths
 from treeopt.errors import StateDictError, StateDictWarning
 
 from _helpers import x64

@@ -100,6 +100,20 @@ def test_masters_follow_raw_optax_on_float32_copies_bit_for_bit(name):
     assert_trees_equal(new_params, jax.tree.map(lambda m, p: m.astype(p.dtype), expected, params))
 
 
+def test_adafactor_masters_stay_within_one_ulp_of_float32_optax():
+    # Factored second moments (the 8 x 16 kernel) and the parameter scale reduce over the masters:
+    # the follow-the-param check must not change how XLA orders those reductions.
+    def tx():
+        return optax.adafactor(1e-2, min_dim_size_to_factor=8)
+
+    params = bf16_params()
+    expected, _ = reference(tx(), params, steps=50)
+    new_params, opt = treeopt_run(tx(), params, steps=50, master_dtype=F32)
+    for name, value in named(expected).items():
+        np.testing.assert_array_max_ulp(np.asarray(opt.master[name]), np.asarray(value), maxulp=1)
+    assert_trees_equal(named(new_params), {name: m.astype(BF16) for name, m in opt.master.items()})
+
+
 def _flat_state(state, params):
     """The reference's optax state over nested params, as treeopt keys it: by name."""
     names = treeopt.leaf_names(params)

@@ -22,9 +22,10 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import treeopt
-from treeopt._state.rounding import stochastic_round
+from treeopt._step.rounding import stochastic_round
 
 from _helpers import assert_trees_equal
+from _teacher_student import TeacherStudent, final_loss
 
 D_IN, D_HIDDEN, D_OUT = 64, 128, 32
 STEPS, BATCH = 500, 64
@@ -46,22 +47,8 @@ def loss_fn(params, x):
     return jnp.mean((hidden @ params["w2"].astype(F32) - x @ TEACHER) ** 2)
 
 
-def batch(i):
-    return jax.random.normal(jax.random.fold_in(jax.random.key(1), i), (BATCH, D_IN))
-
-
-@jax.jit
-def train_step(params, opt, i):
-    loss, grads = jax.value_and_grad(loss_fn)(params, batch(i))
-    return opt.update(grads, params), opt, loss
-
-
-def train(opt, params, steps=STEPS, start=0):
-    losses = []
-    for i in range(start, start + steps):
-        params, opt, loss = train_step(params, opt, i)
-        losses.append(float(loss))
-    return params, opt, float(np.mean(losses[-100:]))
+TASK = TeacherStudent(loss_fn, make_params, d_in=D_IN, batch_size=BATCH, steps=STEPS)
+batch, train_step, train = TASK.batch, TASK.step, TASK.train
 
 
 @functools.cache
@@ -70,8 +57,8 @@ def run(mode, lr):
     params = make_params(F32 if mode == "f32" else BF16)
     rounding = mode if mode in ("kahan", "stochastic") else None
     opt = treeopt.Optimizer(optax.adam(lr), param_rounding=rounding).init(params)
-    params, _, loss = train(opt, params)
-    return jax.tree.map(lambda x: np.asarray(x, np.float32), params), loss
+    params, _, losses = train(opt, params)
+    return jax.tree.map(lambda x: np.asarray(x, np.float32), params), final_loss(losses)
 
 
 def distance_from_f32(mode, lr):
@@ -161,6 +148,13 @@ def test_new_random_bits_every_step_and_the_key_in_the_state():
     assert "rounding_key" in opt.state_dict()
 
 
+def test_each_narrow_param_draws_its_own_random_bits():
+    params = {"a": jnp.full((256,), 1.0, BF16), "b": jnp.full((256,), 1.0, BF16)}
+    opt = treeopt.Optimizer(optax.sgd(2.0**-9), param_rounding="stochastic").init(params)
+    new = opt.update({"a": jnp.full((256,), -1.0, BF16), "b": jnp.full((256,), -1.0, BF16)}, params)
+    assert not np.array_equal(np.asarray(new["a"]), np.asarray(new["b"]))  # the same values, other bits
+
+
 # -- bytes, options, bad input ---------------------------------------------------------------------
 
 
@@ -190,6 +184,15 @@ def test_float32_leaves_are_stepped_exactly_as_without_the_option():
         plain = treeopt.Optimizer(optax.adam(1e-2)).init(params).update(grads, params)
         np.testing.assert_array_equal(ours["wide"], plain["wide"])
         assert ours["narrow"].dtype == BF16
+
+
+@pytest.mark.parametrize("mode", ["kahan", "stochastic"])
+def test_a_model_with_no_param_narrower_than_float32_is_refused_naming_param_rounding(mode):
+    # It would do nothing, silently, as a master_dtype not wider than any param would.
+    with pytest.raises(ValueError, match=rf"param_rounding='{mode}' rounds params narrower than float32.*float32"):
+        treeopt.Optimizer(optax.adam(1e-3), param_rounding=mode).init(make_params(F32))
+    opt = treeopt.Optimizer(optax.adam(1e-3), param_rounding=mode).init({"w": jnp.ones(2), "b": jnp.ones(2, BF16)})
+    assert opt.opt_state[0].mu["b"].dtype == F32  # one narrow param is enough
 
 
 def test_together_with_master_dtype_is_an_error_naming_both():

@@ -8,6 +8,6 @@
 - ``siblings``: a checkpoint replaced atomically through sibling directories.
 - ``held``: the drop-ins that hold a ``treeopt.Optimizer``, recognised by two methods.
 
-May import: ``treeopt._state``, ``treeopt._tree``, ``treeopt.errors``,
-``treeopt.keys``. The public face is ``treeopt.checkpoint``.
+May import: ``treeopt._compat``, ``treeopt._tree``, ``treeopt._sharding``,
+``treeopt._state``, ``treeopt.errors``, ``treeopt.keys``. The public face is ``treeopt.checkpoint``.
 """

@@ -6,14 +6,13 @@
   dimension of every large state leaf.
 - ``optimizer_specs``: the specs of a state's parts (optax state, master
   copies), checked against the params and the mesh.
-- ``explicit``: under JAX's explicit mesh axes, the new params resharded to
-  the types of the params given to ``update``.
 - ``abstract``: ``jax.eval_shape`` with an error that says how to build an
   abstract equinox target.
 - ``explicit``: under JAX's explicit axes, values resharded to the sharding
-  of the value they replace or meet.
+  of the value they replace or meet (the new params to the types of the
+  params given to ``update``).
 
 May import: ``treeopt._compat``, ``treeopt._tree``, ``treeopt.errors``,
 ``treeopt.typing``. It is handed the state's parts and the layout, never the
-optimizer; the state wing builds on it, not the reverse.
+optimizer; the step and state wings build on it, not the reverse.
 """

@@ -7,12 +7,9 @@
   shardings, fill, verify the checksum; each caller brings its policy.
 - ``state_dict``: the core's state dicts and ``load_state_dict``/``warm_start``
   policies, over the optimizer's parts.
-- ``step_rule``: what a step count may be.
-- ``step_io``: the step corridor: what one step takes and gives back.
-- ``master``: master weights (wider copies of narrow params) and their step.
-- ``lowbit``: the block-wise 8- and 4-bit codec of state leaves (``state_bits=``).
 
-May import: ``treeopt._compat``, ``treeopt._tree``, ``treeopt._sharding``
-(explicit-axes resharding), ``treeopt.errors``, ``treeopt.keys``, ``treeopt.typing``. It is handed the optimizer's parts (layout, state, step)
-and returns parts, never the optimizer.
+May import: ``treeopt._compat``, ``treeopt._tree``, ``treeopt._sharding``,
+``treeopt._step`` (the entries a precision and a low-bit leaf write),
+``treeopt.errors``, ``treeopt.keys``, ``treeopt.typing``. It is handed the
+optimizer's parts and returns parts, never the optimizer.
 """

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from treeopt._state.plain import Path, flatten_paths
+from treeopt._tree.paths import Path, flatten_paths
 from treeopt.keys import is_key
 
 CHECKSUM_KEY = "checksum"

@@ -34,8 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from treeopt._state.checksum import CHECKSUM_KEY, matches
-from treeopt._state.plain import Path, flatten_paths, path_str
-from treeopt._tree.paths import leaf_names
+from treeopt._tree.paths import Path, flatten_paths, leaf_names, path_str
 from treeopt.errors import LoadReport, StateDictError, StateDictWarning, describe, dtype_name
 from treeopt.keys import is_key, wrap_key_like
 

@@ -1,8 +1,11 @@
 """State dicts of an optimizer's state parts: nested plain dicts of arrays, keyed by parameter name.
 
-``state_dict(parts)`` of the :class:`StateParts` (step, optax state, masters) is ``{"step": ..., "opt_state": ...}``: ``opt_state`` in
-the plain form of :mod:`treeopt._state.plain`; with master weights also
-``"master": {name: array}``. The params-shaped parts of an optax
+``state_dict(parts)`` of the :class:`StateParts` (step, optax state, the
+params' precision's state) is ``{"step": ..., "opt_state": ...}``:
+``opt_state`` in the plain form of :mod:`treeopt._state.plain`, and the
+entries of the precision (:meth:`treeopt._step.precision.Precision.entries`):
+``"master": {name: array}`` with master weights, ``"compensation"`` or
+``"rounding_key"`` with ``param_rounding``. The params-shaped parts of an optax
 state are already dicts keyed by parameter name (the optimizer runs optax on
 its flat, named params), so a leaf reads ``opt_state/0/mu/dense/kernel``
 whatever the order of the leaves, and a new, unrelated layer only adds names.
@@ -42,11 +45,13 @@ from treeopt._state.engine import (
     match,
     read_verified,
 )
-from treeopt._state.lowbit import describe_entry, is_quantized
-from treeopt._state.lowbit_state import converted_source
-from treeopt._state.plain import Path, flatten_paths, path_str, to_plain
-from treeopt._state.step_rule import EXPECTED, negative
-from treeopt.errors import LoadReport, StateDictError
+from treeopt._state.plain import to_plain
+from treeopt._step.lowbit import describe_entry, is_quantized
+from treeopt._step.lowbit_state import converted_source
+from treeopt._step.precision import held_as
+from treeopt._step.step_rule import refuse_a_negative_step
+from treeopt._tree.paths import Path, flatten_paths, path_str
+from treeopt.errors import LoadReport
 from treeopt.keys import key_data
 
 _LOAD = Messages(
@@ -77,15 +82,8 @@ class StateParts(NamedTuple):
 
 def plain_state(parts: StateParts) -> dict[str, Any]:
     """The state dict of ``parts`` built from its leaves as they are (also for a tree of indices)."""
-    plain = {"step": key_data(parts.step), "opt_state": to_plain(parts.opt_state)}
-    if parts.master:
-        plain["master"] = dict(parts.master)
-    rounding = parts.rounding or {}
-    if "compensation" in rounding:
-        plain["compensation"] = dict(rounding["compensation"])
-    if "key" in rounding:
-        plain["rounding_key"] = key_data(rounding["key"])
-    return plain
+    precision, held = held_as(parts.master, parts.rounding)
+    return {"step": key_data(parts.step), "opt_state": to_plain(parts.opt_state), **precision.entries(held)}
 
 
 def state_dict(parts: StateParts) -> dict[str, Any]:
@@ -106,19 +104,9 @@ def check_state_dict(parts: StateParts, sd: Any) -> LoadReport:
     return match(target(parts), source.entries(), EXACT)[1]
 
 
-def _refuse_a_negative_step(sd: Any) -> None:
-    """A negative ``"step"`` is refused, strict or not: checkpoint steps follow the same rule."""
-    value = negative(sd.get("step")) if isinstance(sd, Mapping) else None
-    if value is not None:
-        raise StateDictError.between(
-            _LOAD.lead,
-            mismatched=[("step", f"{EXPECTED} (the rule of checkpoint steps too)", str(value))],
-        )
-
-
 def load_state_dict(parts: StateParts, sd: Any, strict: bool = True) -> StateParts:
     """New parts like ``parts`` with the values of ``sd`` (see ``Optimizer.load_state_dict``)."""
-    _refuse_a_negative_step(sd)
+    refuse_a_negative_step(sd, _LOAD.lead)
     sd = _in_target_precision(parts, sd, legacy_only=True)[0]
     return load(target(parts), StateDictSource(sd), EXACT, _LOAD, strict=strict)[0]
 
@@ -142,7 +130,7 @@ def warm_start(
             return False
         return (include is None or include(name)) and not (exclude is not None and exclude(name))
 
-    _refuse_a_negative_step(source)
+    refuse_a_negative_step(source, _LOAD.lead)
     roles = Roles(frozenset(names), wanted)
     source, converted = _in_target_precision(parts, source)
     source_ = StateDictSource(source, "warm_start")

@@ -10,7 +10,8 @@
   stepped under a trace it was not passed into.
 - ``donated``: an optimizer whose buffers were donated to a jitted step.
 
-May import: ``treeopt._tree``, ``treeopt._compat``, ``treeopt.errors``,
-``treeopt.typing``. Never ``treeopt.optimizer``: it is handed the layout and
+May import: ``treeopt._compat``, ``treeopt._tree``, ``treeopt._sharding``,
+``treeopt._step`` (what counts as an array input of the step),
+``treeopt.errors``, ``treeopt.typing``. Never ``treeopt.optimizer``: it is handed the layout and
 the step count, not the optimizer.
 """

@@ -15,7 +15,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from treeopt._state.step_io import ARRAYS
+from treeopt._step.step_io import ARRAYS
 from treeopt._tree.layout import ParamLayout
 from treeopt._tree.nnx_graph import from_flat_state, is_nnx_graph
 from treeopt._tree.paths import leaf_infos, leaf_names

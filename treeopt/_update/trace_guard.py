@@ -12,15 +12,8 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 
 from treeopt._compat.jax_private import current_trace, trace_of
-
-
-def strong(x: Any) -> Any:
-    # A weakly typed leaf would come back strongly typed from the first jitted
-    # step and cost one retrace; make the state's avals stable from the start.
-    return jnp.asarray(x, dtype=x.dtype) if isinstance(x, jax.Array) else x
 
 
 def is_tracer(x: Any) -> bool:

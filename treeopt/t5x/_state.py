@@ -21,7 +21,7 @@ import jax
 from flax import traverse_util
 
 from treeopt.errors import StateDictError, describe
-from treeopt.internal import BY_KIND, STEP_EXPECTED, Messages, StateDictSource, Target, load, negative_step
+from treeopt.internal import BY_KIND, Messages, StateDictSource, Target, load, refuse_a_negative_step
 from treeopt.keys import key_data
 from treeopt.serialization import CHECKSUM_KEY
 
@@ -86,16 +86,6 @@ def check_parts(state_dict: Any, allowed_others: bool) -> None:
         )
 
 
-def _refuse_a_negative_step(state: Any) -> None:
-    """A negative ``state/step`` is refused, as the core refuses one: a step is a non-negative count."""
-    value = negative_step(state.get("step")) if isinstance(state, Mapping) else None
-    if value is not None:
-        raise StateDictError.between(
-            _MISMATCH.lead,
-            mismatched=[("state/step", f"{STEP_EXPECTED} (the rule of checkpoint steps too)", str(value))],
-        )
-
-
 def restore(target: Any, state: Any, state_dict: Mapping[str, Any]) -> tuple[Any, Any]:
     """``(target, state)`` with their values from ``state_dict``, checked and verified by the engine.
 
@@ -117,7 +107,7 @@ def restore(target: Any, state: Any, state_dict: Mapping[str, Any]) -> tuple[Any
           target/w: expected float32[2] (float), got int32[2] (integer)
     """
     check_parts(state_dict, allowed_others=True)
-    _refuse_a_negative_step(state_dict.get("state"))
+    refuse_a_negative_step(state_dict.get("state"), _MISMATCH.lead, path="state/step")
     parts = {key: state_dict[key] for key in (*_PARTS, CHECKSUM_KEY) if key in state_dict}
     template = Target.of({"target": target, "state": state}, plain=to_state_dict)
     source = StateDictSource(parts, caller="restore_state", name="optimizer")

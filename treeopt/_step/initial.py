@@ -1,51 +1,43 @@
-"""What ``tx.init`` sees, and the state beside the optax state, for fresh params.
+"""The transformation as the optimizer keeps it, and what ``tx.init`` sees for fresh params.
 
-With master weights, ``tx.init`` sees the master copies; with ``param_rounding``,
-the narrow params cast up to float32; with ``optax.LookaheadParams``, the
-fast and slow params by name.
+The params' precision (:mod:`treeopt._step.precision`) decides what ``tx.init``
+sees (the master copies, or the narrow params cast up to float32) and makes
+its own state beside the optax state; with ``optax.LookaheadParams``,
+``tx.init`` sees the fast and slow params by name.
 
 Example:
     >>> import jax.numpy as jnp
+    >>> from treeopt._step.precision import Kahan
     >>> from treeopt.layout import ParamLayout
     >>> params = {"w": jnp.ones(2, jnp.bfloat16)}
-    >>> flat, master, rounding = init_inputs(ParamLayout.of(params), params, False, None, "kahan")
-    >>> flat["w"].dtype, master, rounding["compensation"]["w"].dtype
-    (dtype('float32'), {}, dtype(bfloat16))
+    >>> flat, held = init_inputs(ParamLayout.of(params), params, False, Kahan())
+    >>> flat["w"].dtype, held["compensation"]["w"].dtype
+    (dtype('float32'), dtype(bfloat16))
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import jax.numpy as jnp
 import optax
 
-from treeopt._state.master import masters_of
-from treeopt._state.rounding import initial_rounding, narrow
+from treeopt._step.precision import Precision
 from treeopt._tree.layout import ParamLayout
 
 __all__ = ["as_transformation", "init_inputs", "transformation_name"]
 
 
-def init_inputs(
-    layout: ParamLayout, params: Any, lookahead: bool, master_dtype: Any, param_rounding: str | None
-) -> tuple[Any, dict[str, Any], dict[str, Any]]:
-    """``(what tx.init sees, master copies, rounding state)`` of fresh ``params``."""
+def init_inputs(layout: ParamLayout, params: Any, lookahead: bool, precision: Precision) -> tuple[Any, Any]:
+    """``(what tx.init sees, the precision's state)`` of fresh ``params``."""
     if lookahead:
-        for option, value in (("master_dtype", master_dtype), ("param_rounding", param_rounding)):
-            if value is not None:
-                raise ValueError(
-                    f"{option} is not supported with optax.LookaheadParams (optax.lookahead): "
-                    "build the optimizer without it."
-                )
+        if precision.option is not None:
+            raise ValueError(
+                f"{precision.option} is not supported with optax.LookaheadParams (optax.lookahead): "
+                "build the optimizer without it."
+            )
         flat = optax.LookaheadParams(layout.split_params(params.fast)[0], layout.split_params(params.slow)[0])
-        return flat, {}, {}
-    flat = layout.split_params(params)[0]
-    master = masters_of(flat, master_dtype)
-    rounding = initial_rounding(flat, param_rounding)
-    if param_rounding is not None:
-        flat = {k: v.astype(jnp.float32) if narrow(v.dtype) else v for k, v in flat.items()}
-    return {**flat, **master}, master, rounding  # tx.init sees the masters
+        return flat, {}
+    return precision.init(layout.split_params(params)[0])
 
 
 def as_transformation(tx: Any) -> optax.GradientTransformation:

@@ -18,10 +18,13 @@ Example:
 from __future__ import annotations
 
 import numbers
+from collections.abc import Mapping
 from typing import Any
 
 import jax
 import numpy as np
+
+from treeopt.errors import StateDictError
 
 EXPECTED = "a non-negative integer"
 
@@ -64,6 +67,27 @@ def negative(step: Any) -> int | None:
     """The value of ``step`` if it is a known negative integer (a state dict's step that breaks the rule)."""
     value = integer(step)
     return value if value is not None and value < 0 else None
+
+
+def refuse_a_negative_step(state_dict: Any, lead: str, path: str = "step") -> None:
+    """A ``StateDictError`` if the ``"step"`` of ``state_dict`` is a negative integer, strict or not.
+
+    A state dict's step follows the rule of checkpoint steps. The error opens
+    with ``lead`` (what does not match what) and names the step at ``path``.
+
+    Example:
+        >>> refuse_a_negative_step({"step": 3}, "The state dict does not match")
+        >>> try:
+        ...     refuse_a_negative_step({"step": -1}, "The state dict does not match")
+        ... except StateDictError as e:
+        ...     print(str(e).splitlines()[-1])
+          step: expected a non-negative integer (the rule of checkpoint steps too), got -1
+    """
+    value = negative(state_dict.get("step")) if isinstance(state_dict, Mapping) else None
+    if value is not None:
+        raise StateDictError.between(
+            lead, mismatched=[(path, f"{EXPECTED} (the rule of checkpoint steps too)", str(value))]
+        )
 
 
 def next_step(step: Any) -> jax.Array:

@@ -1,9 +1,9 @@
 """Low-bit state (``state_bits=``): which leaves of an optax state are held as codes, and the codes around a step.
 
-A leaf of the optax state is held as block-wise codes (:mod:`treeopt._state.lowbit`)
+A leaf of the optax state is held as block-wise codes (:mod:`treeopt._step.lowbit`)
 when all of these hold:
 
-- it is a known running statistic (:mod:`treeopt._state.statistics`): a
+- it is a known running statistic (:mod:`treeopt._step.statistics`): a
   field such as ``ScaleByAdamState.mu`` that holds one value per element of
   each parameter, averaged over steps. Anything else keeps full precision by
   construction: copies of the params, values that set them directly, any
@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from treeopt._sharding.explicit import explicit_sharding
-from treeopt._state.lowbit import (
+from treeopt._step.lowbit import (
     Format,
     QuantizedLeaf,
     block_layout,
@@ -52,11 +52,10 @@ from treeopt._state.lowbit import (
     encode_with,
     is_quantized,
 )
-from treeopt._state.plain import Path, flatten_paths, path_str
-from treeopt._state.statistics import fields_by_path, full_precision_reason, statistic_map
+from treeopt._step.statistics import fields_by_path, full_precision_reason, statistic_map
 from treeopt._tree.layout import ParamLayout
 from treeopt._tree.masks import name_matcher
-from treeopt._tree.paths import param_owners
+from treeopt._tree.paths import Path, flatten_paths, param_owners, path_str
 
 __all__ = [
     "MIN_ELEMENTS",
@@ -329,7 +328,7 @@ def decoded(opt_state: Any) -> Any:
 
     Example:
         >>> import jax.numpy as jnp
-        >>> from treeopt._state.lowbit import quantize
+        >>> from treeopt._step.lowbit import quantize
         >>> decoded({"mu": quantize(jnp.full(4, 0.5), 8), "count": 1})
         {'count': 1, 'mu': Array([0.5, 0.5, 0.5, 0.5], dtype=float32)}
     """
@@ -356,7 +355,7 @@ def encoded_after_step(
 
     Example:
         >>> import jax.numpy as jnp
-        >>> from treeopt._state.lowbit import quantize
+        >>> from treeopt._step.lowbit import quantize
         >>> state = {"mu": quantize(jnp.zeros(4), 8)}
         >>> type(encoded_after_step(state, {"mu": jnp.full(4, 0.5)})["mu"]).__name__
         'QuantizedLeaf'
@@ -418,7 +417,7 @@ def converted_source(
 
     Example:
         >>> import jax.numpy as jnp
-        >>> from treeopt._state.lowbit import quantize
+        >>> from treeopt._step.lowbit import quantize
         >>> units = {("mu", "w"): quantize(jnp.zeros((64, 64)), 8)}
         >>> flat, done = converted_source(units, {"mu": {"w": jnp.ones((64, 64))}})
         >>> sorted(flat), done

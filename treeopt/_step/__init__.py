@@ -1,0 +1,19 @@
+"""The step: what it takes and gives back, how each param is held, and how the state is held.
+
+- ``step_io``: the step corridor: what one step takes and gives back.
+- ``step_rule``: what a step count may be (a state dict's, a checkpoint's).
+- ``initial``: the transformation checked, and what ``tx.init`` sees for fresh params.
+- ``precision``: one precision layer: how a param is held and takes a float32
+  update (as is, master weights, Kahan, stochastic rounding), one ``narrower``
+  predicate, and the one step every way takes.
+- ``rounding``: stochastic rounding into a narrow float dtype, unbiased.
+- ``lowbit_maps``: the non-linear maps of low-bit codes, as bit arithmetic.
+- ``lowbit``: the block-wise 8- and 4-bit codec of state leaves (``state_bits=``).
+- ``statistics``: which fields of an optax state are running statistics.
+- ``lowbit_state``: which state leaves are held in low bits, and a step's encoding.
+
+May import: ``treeopt._compat``, ``treeopt._tree``, ``treeopt._sharding``
+(explicit-axes resharding), ``treeopt.errors``, ``treeopt.keys``,
+``treeopt.typing``. It is handed the optimizer's parts (layout, state,
+params) and returns parts, never the optimizer.
+"""
