@@ -118,7 +118,7 @@ def encode(y: Any, bits: int, signed: bool) -> jax.Array:
         # The segment from the octave: 0 for the top _OCTAVES octaves, below 1. A shift, not //, which
         # XLA would correct for negative numerators with three more operations per element.
         octave = 126 - (pattern >> 23)
-        segment = jnp.clip(jax.lax.shift_right_arithmetic(octave, _OCTAVES.bit_length() - 1), 0, _SEGMENTS - 1)
+        segment = jnp.clip(octave >> (_OCTAVES.bit_length() - 1), 0, _SEGMENTS - 1)  # arithmetic: int32
         shift = 23 - _TOP_BITS + segment
         base = (127 - _OCTAVES * (segment + 1)) << 23
         steps = (pattern - base + (1 << (shift - 1))) >> shift
