@@ -42,7 +42,6 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -54,6 +53,17 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from treeopt._step import lowbit_maps
+from treeopt._step.lowbit_format import (
+    FORMAT_VERSION,
+    Format,
+    block_layout,
+    check_bits,
+    codes_shape,
+    describe_entry,
+    partition_entries,
+    scales_shape,
+    zero_axes,
+)
 
 __all__ = [
     "FORMAT_VERSION",
@@ -61,67 +71,14 @@ __all__ = [
     "QuantizedLeaf",
     "block_layout",
     "bytes_of",
+    "codes_shape",
+    "describe_entry",
+    "scales_shape",
     "constant",
     "dequantize",
     "is_quantized",
     "quantize",
 ]
-
-FORMAT_VERSION = 2
-"""The version of the maps and layout written today; version 1 (no ``format`` entry) still loads."""
-
-_MAX_BLOCK = {8: 256, 4: 128}
-# The bytes per element a layout should cost (codes and scales) to keep Adam at <= 2.05 / 1.07 B/param.
-_TARGET_BYTES = {8: 1.025, 4: 0.535}
-
-
-@dataclasses.dataclass(frozen=True)
-class Format:
-    """How a :class:`QuantizedLeaf`'s codes are laid out and read.
-
-    Attributes:
-        bits: 8 or 4.
-        signed: the signed map (exact 0 and +-1) or the unsigned one (no zero level).
-        axis: the axes from ``axis`` on are read as one row, cut into blocks.
-        block: the number of elements of a block.
-        version: the version of the maps and layout (:data:`FORMAT_VERSION`).
-
-    Example:
-        >>> fmt = Format(bits=8, signed=False, axis=0, block=256)
-        >>> fmt.entry(), Format.from_entry(fmt.entry()) == fmt
-        (array([  2,   8,   0,   0, 256], dtype=int32), True)
-    """
-
-    bits: int
-    signed: bool
-    axis: int
-    block: int
-    version: int = FORMAT_VERSION
-
-    def entry(self) -> np.ndarray:
-        """The format as the ``format`` entry of a state dict: ``int32[version, bits, signed, axis, block]``."""
-        return np.array([self.version, self.bits, int(self.signed), self.axis, self.block], np.int32)
-
-    @classmethod
-    def from_entry(cls, entry: Any) -> Format:
-        """The format a state dict's ``format`` entry describes; ``ValueError`` for one this version cannot read."""
-        values = [int(v) for v in np.asarray(entry).reshape(-1)]
-        if len(values) != 5 or values[0] != FORMAT_VERSION or values[1] not in (8, 4) or values[2] not in (0, 1):
-            raise ValueError(
-                f"unknown low-bit format {values}: expected [version {FORMAT_VERSION}, bits 8 or 4, signed 0 "
-                "or 1, axis, block] (saved by a newer treeopt?)"
-            )
-        return cls(bits=values[1], signed=bool(values[2]), axis=values[3], block=values[4], version=values[0])
-
-    def describe(self) -> str:
-        """A short readable form: ``"8-bit signed, blocks of 256 from axis 1"``.
-
-        Example:
-            >>> Format(4, True, 0, 128).describe()
-            '4-bit signed, blocks of 128 from axis 0'
-        """
-        kind = "signed" if self.signed else "unsigned"
-        return f"{self.bits}-bit {kind}, blocks of {self.block} from axis {self.axis}"
 
 
 @jax.tree_util.register_pytree_with_keys_class
@@ -212,12 +169,8 @@ class QuantizedLeaf:
             >>> q.partition_specs(P("data", "model"), {"data": 8, "model": 2}).scales == P("data", "model")
             True
         """
-        entries = _padded(param_spec, self.ndim)
-        codes = _codes_entries(self, entries, axis_sizes)
-        scales = _scales_entries(self, entries, axis_sizes)
-        return QuantizedLeaf(
-            _spec(codes), _spec(scales), shape=self._shape, dtype=self._dtype_name, format=self.format
-        )
+        codes, scales = partition_entries(self._shape, self.format, param_spec, axis_sizes)
+        return QuantizedLeaf(codes, scales, shape=self._shape, dtype=self._dtype_name, format=self.format)
 
     def zero_axes(self, param_spec: PartitionSpec, shards: int) -> list[int]:
         """The axes of the parameter a ZeRO shard of ``1 / shards`` may take, keeping whole blocks and bytes.
@@ -233,20 +186,7 @@ class QuantizedLeaf:
             >>> q.zero_axes(P(), 2), q.zero_axes(P(), 8), q.zero_axes(P("data"), 2)
             ([0, 1], [0], [1])
         """
-        entries = _padded(param_spec, self.ndim)
-        return [
-            a
-            for a in range(self.ndim)
-            if entries[a] is None and self._shape[a] % shards == 0 and self._splits_whole(a, shards)
-        ]
-
-    def _splits_whole(self, axis: int, shards: int) -> bool:
-        """Whether cutting ``axis`` in ``shards`` equal parts keeps every block and every byte whole."""
-        fmt, shape = self.format, self._shape
-        piece = shape[axis] // shards * math.prod(shape[axis + 1 :])  # elements of one part, per row above
-        if axis > fmt.axis or (axis == fmt.axis and (_row(self) % fmt.block or piece % fmt.block)):
-            return False
-        return fmt.bits == 8 or axis < fmt.axis  # 4-bit bytes pair the two halves of a row
+        return zero_axes(self._shape, self.format, param_spec, shards)
 
     def tree_flatten_with_keys(self) -> tuple[tuple[tuple[Any, Any], ...], tuple[Any, ...]]:
         keys = jax.tree_util.GetAttrKey
@@ -263,20 +203,6 @@ class QuantizedLeaf:
 
     def __repr__(self) -> str:
         return f"QuantizedLeaf(shape={self._shape}, dtype={self._dtype_name}, {self.format.describe()})"
-
-
-def describe_entry(entry: Any) -> str:
-    """A state dict's ``format`` entry in words, for error messages.
-
-    Example:
-        >>> describe_entry(Format(8, True, 1, 256).entry())
-        'format [2, 8, 1, 1, 256] (8-bit signed, blocks of 256 from axis 1)'
-    """
-    values = np.asarray(entry).reshape(-1).tolist()
-    try:
-        return f"format {values} ({Format.from_entry(entry).describe()})"
-    except ValueError:
-        return f"format {values}"
 
 
 def _to_state_dict(q: QuantizedLeaf) -> dict[str, Any]:
@@ -321,93 +247,6 @@ def bytes_of(q: Any) -> int:
     return sum(math.prod(np.shape(leaf)) * jnp.dtype(leaf.dtype).itemsize for leaf in jax.tree.leaves(q))
 
 
-# -- layout ----------------------------------------------------------------------------------------
-
-
-def block_layout(shape: Sequence[int], bits: int) -> tuple[int, int]:
-    """``(axis, block)``: the axes from ``axis`` on form a row cut into blocks of ``block`` elements.
-
-    The latest axis whose rows give blocks of at most 256 elements (128 at 4
-    bits) costing at most 1.025 (0.535) bytes per element with their scales;
-    a block that divides its row is preferred (a ZeRO shard of the row then
-    keeps whole blocks), else the last block of each row is shorter. The
-    layout follows the array's shape alone, so a sharded optimizer steps
-    exactly as an unsharded one does.
-
-    Example:
-        >>> block_layout((1024, 4096), 8), block_layout((128, 64), 8), block_layout((8192, 1), 4)
-        ((1, 256), (0, 256), (0, 128))
-        >>> block_layout((64, 4, 64), 8), block_layout((96, 96), 8), block_layout((1000, 150), 8)
-        ((1, 256), (0, 256), (0, 240))
-    """
-    _check_bits(bits)
-    shape = tuple(int(d) for d in shape) or (1,)
-    best: tuple[float, int, int] | None = None
-    for axis in reversed(range(len(shape))):
-        row = math.prod(shape[axis:])
-        for block in _blocks_for(row, bits):
-            cost = _bytes_per_element(row, block, bits)
-            if cost <= _TARGET_BYTES[bits]:
-                return axis, block
-            if best is None or cost < best[0]:
-                best = (cost, axis, block)
-    assert best is not None
-    return best[1], best[2]
-
-
-def _blocks_for(row: int, bits: int) -> list[int]:
-    """Block lengths for rows of ``row`` elements, best first: all of it when short, else the largest fitting
-    divisor, then the longest block with a shorter last one."""
-    largest = _MAX_BLOCK[bits]
-    if row <= largest:
-        return [max(row + row % 2 if bits == 4 else row, 1)]
-    smallest, step = largest * 5 // 8, 8 if bits == 8 else 4  # the block maxima take eight (four) at a time
-    found = [block for block in range(largest, smallest - 1, -step) if row % block == 0][:1]
-    return [*found, largest]
-
-
-def _bytes_per_element(row: int, block: int, bits: int) -> float:
-    return (math.ceil(row * bits / 8) + 4 * math.ceil(row / block)) / row
-
-
-def _row(q: QuantizedLeaf | Any) -> int:
-    return math.prod(q.shape[q.format.axis :]) if q.shape else 1
-
-
-def _blocks_per_row(shape: Sequence[int], fmt: Format) -> int:
-    return -(-math.prod(tuple(shape)[fmt.axis :]) // fmt.block) if shape else 1
-
-
-def codes_shape(shape: Sequence[int], fmt: Format) -> tuple[int, ...]:
-    """The shape of the codes of an array of ``shape`` in ``fmt``.
-
-    8-bit codes have the array's shape. 4-bit codes are each row's bytes:
-    ``shape[:axis] + (ceil(row / 2),)``, the row's second half in the high
-    nibbles of its first half's bytes.
-
-    Example:
-        >>> codes_shape((96, 96), Format(4, True, 0, 128)), codes_shape((8, 1024), Format(4, True, 1, 128))
-        ((4608,), (8, 512))
-    """
-    shape = tuple(shape)
-    if fmt.bits == 8 or not shape:
-        return shape
-    return (*shape[: fmt.axis], -(-math.prod(shape[fmt.axis :]) // 2))
-
-
-def scales_shape(shape: Sequence[int], fmt: Format) -> tuple[int, ...]:
-    """The shape of the scales of an array of ``shape`` in ``fmt``: one per block, by the axes before the blocks.
-
-    Example:
-        >>> scales_shape((128, 64), Format(8, True, 0, 256)), scales_shape((64, 4, 64), Format(8, True, 1, 256))
-        ((32,), (64, 1))
-    """
-    shape = tuple(shape)
-    if not shape:
-        return ()
-    return (*shape[: fmt.axis], _blocks_per_row(shape, fmt))
-
-
 # -- encoding and decoding -------------------------------------------------------------------------
 
 
@@ -427,7 +266,7 @@ def quantize(x: Any, bits: int, *, signed: bool = True, fmt: Format | None = Non
         >>> q.dequantize().tolist()
         [[1.0, 0.25], [-2.0, 0.0]]
     """
-    _check_bits(bits)
+    check_bits(bits)
     x = jnp.asarray(x)
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise TypeError(f"quantize takes a floating-point array, got {x.dtype}.")
@@ -458,7 +297,10 @@ def block_maxima(x: Any, fmt: Format) -> jax.Array:
         # The bits of a non-negative float order like the float, NaN above infinity: a maximum by
         # integer comparison keeps NaN. As a select it stays a loop XLA fuses the values into.
         as_int = jnp.int64 if compute == jnp.float64 else jnp.int32
-        parts = [jax.lax.bitcast_convert_type(jax.lax.slice_in_dim(blocks, i, None, fan, -1), as_int) for i in range(fan)]
+        parts = [
+            jax.lax.bitcast_convert_type(jax.lax.slice_in_dim(blocks, i, None, fan, -1), as_int)
+            for i in range(fan)
+        ]
         while len(parts) > 1:
             parts = [jnp.where(a > b, a, b) for a, b in zip(parts[::2], parts[1::2], strict=True)]
         blocks = jax.lax.bitcast_convert_type(parts[0], compute)
@@ -494,7 +336,9 @@ def encode_with(x: Any, maxima: Any, fmt: Format) -> QuantizedLeaf:
     codes = lowbit_maps.encode(y, fmt.bits, fmt.signed).astype(jnp.uint8)
     if fmt.bits == 4:
         codes = _pack(codes, fmt)
-    return QuantizedLeaf(codes, maxima.astype(_scales_dtype(x.dtype)), shape=x.shape, dtype=x.dtype, format=fmt)
+    return QuantizedLeaf(
+        codes, maxima.astype(_scales_dtype(x.dtype)), shape=x.shape, dtype=x.dtype, format=fmt
+    )
 
 
 def dequantize(q: QuantizedLeaf) -> jax.Array:
@@ -516,7 +360,9 @@ def dequantize(q: QuantizedLeaf) -> jax.Array:
     codes = _unpack(q.codes, q.shape, fmt) if fmt.bits == 4 else q.codes
     compute = _compute_dtype(q.dtype)
     scales = jnp.asarray(q.scales).astype(compute)
-    values = lowbit_maps.decode(codes, fmt.bits, fmt.signed).astype(compute) * _broadcast(scales, q.shape, fmt)
+    values = lowbit_maps.decode(codes, fmt.bits, fmt.signed).astype(compute) * _broadcast(
+        scales, q.shape, fmt
+    )
     if not fmt.signed:
         tiny = max(float(jnp.finfo(q.dtype).smallest_subnormal), float(jnp.finfo(compute).smallest_normal))
         floor = jnp.where(scales > 0, np.asarray(tiny, compute), np.asarray(0, compute))
@@ -552,11 +398,6 @@ def constant(value: float, shape: Sequence[int], dtype: Any, fmt: Format) -> Qua
     codes = jnp.full(codes_shape(shape, fmt), byte, jnp.uint8)
     scales = jnp.full(scales_shape(shape, fmt), scale, _scales_dtype(dtype))
     return QuantizedLeaf(codes, scales, shape=shape, dtype=dtype, format=fmt)
-
-
-def _check_bits(bits: Any) -> None:
-    if bits not in (8, 4) or isinstance(bits, bool):
-        raise ValueError(f"bits must be 8 or 4, got {bits!r}.")
 
 
 def _compute_dtype(dtype: Any) -> Any:
@@ -624,43 +465,3 @@ def _unpack(packed: jax.Array, shape: Sequence[int], fmt: Format) -> jax.Array:
     if codes.shape[-1] != row:
         codes = codes[..., :row]
     return codes.reshape(shape)
-
-
-def _padded(spec: PartitionSpec, ndim: int) -> list[Any]:
-    return [*spec, *([None] * (ndim - len(spec)))][:ndim]
-
-
-def _spec(entries: Sequence[Any]) -> PartitionSpec:
-    entries = list(entries)
-    while entries and entries[-1] is None:
-        entries.pop()
-    return PartitionSpec(*entries)
-
-
-def _shards(entry: Any, axis_sizes: Mapping[str, int] | None) -> int | None:
-    if entry is None:
-        return 1
-    if axis_sizes is None:
-        return None
-    names = tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
-    if any(n not in axis_sizes for n in names):
-        return None
-    return math.prod(axis_sizes[n] for n in names)
-
-
-def _codes_entries(q: QuantizedLeaf, entries: list[Any], axis_sizes: Mapping[str, int] | None) -> list[Any]:
-    if q.format.bits == 8 or not q.shape:
-        return entries
-    return entries[: q.format.axis]  # 4-bit bytes pair the two halves of a row: a shard keeps rows whole
-
-
-def _scales_entries(q: QuantizedLeaf, entries: list[Any], axis_sizes: Mapping[str, int] | None) -> list[Any]:
-    if not q.shape:
-        return []
-    j = q.format.axis
-    kept = entries[:j]
-    at_blocks = entries[j] if all(e is None for e in entries[j + 1 :]) else None
-    n = _shards(at_blocks, axis_sizes)
-    if at_blocks is not None and (n is None or q.shape[j] % n or not q._splits_whole(j, n)):
-        at_blocks = None
-    return [*kept, at_blocks]
