@@ -23,7 +23,8 @@ from treeopt._checkpoint.foreign import nnx_optimizer_error, nnx_optimizer_signs
 from treeopt._checkpoint.siblings import Siblings
 from treeopt._state import state_dict as _state_dict
 from treeopt._state.checksum import checksum
-from treeopt._state.engine import EXACT, Messages, Target, load, read_verified
+from treeopt._state.engine import Messages, Target, load, read_verified
+from treeopt._state.policies import EXACT
 from treeopt._state.state_dict import StateParts
 from treeopt._tree.paths import Path, flatten_paths, leaf_names
 from treeopt.errors import CheckpointError

@@ -5,6 +5,8 @@
   sharded arrays).
 - ``engine``: the one state-dict engine: match by name, report, place on
   shardings, fill, verify the checksum; each caller brings its policy.
+- ``policies``: a slot of a target, what a value must be to fill it, and what it becomes
+  (exact, exact or wider, by kind).
 - ``state_dict``: the core's state dicts and ``load_state_dict``/``warm_start``
   policies, over the optimizer's parts.
 

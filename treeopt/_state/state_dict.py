@@ -35,8 +35,6 @@ from flax import traverse_util
 
 from treeopt._state.checksum import CHECKSUM_KEY
 from treeopt._state.engine import (
-    EXACT,
-    EXACT_OR_WIDER,
     Messages,
     Roles,
     StateDictSource,
@@ -46,6 +44,7 @@ from treeopt._state.engine import (
     read_verified,
 )
 from treeopt._state.plain import to_plain
+from treeopt._state.policies import EXACT, EXACT_OR_WIDER
 from treeopt._step.lowbit import describe_entry, is_quantized
 from treeopt._step.lowbit_state import converted_source
 from treeopt._step.precision import held_as
