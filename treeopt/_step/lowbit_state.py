@@ -343,15 +343,17 @@ def encoded_after_step(
     ``twin``: a second evaluation of the same new state, whose inputs passed an
     optimization barrier (so that XLA cannot merge the two); the block maxima
     are taken from it, and every leaf that is not low-bit too. ``outputs``: the
-    twin's new params (or updates) by name, which each encoded leaf waits for.
+    twin's new params (or updates) by name, which each 8-bit leaf waits for.
 
     Why, on CPU: XLA cannot fuse the computation of a value into both a
     reduction over it and its other uses, and writes it out in float32 (which
     costs more than the whole float32 step). With the maxima and the params
     from the twin, the new moments of ``new_state`` have one use, their
-    encoding, and fuse into it; and since the encoding waits for the params,
+    encoding, and fuse into it; and since 8-bit encoding waits for the params,
     which read the old codes, XLA may overwrite donated codes in place rather
-    than copy them first.
+    than copy them first. 4-bit codes are read through an unpacked copy
+    anyway, and waiting only delays their encoding (2.9x against 2.5x float32
+    on a 1024 x 1024 AdamW step here).
 
     Example:
         >>> import jax.numpy as jnp
@@ -373,7 +375,7 @@ def encoded_after_step(
             continue
         maxima = block_maxima(other, old.format)
         name = next((k.key for k in reversed(path) if isinstance(k, jax.tree_util.DictKey)), None)
-        if outputs is not None and name is not None and name in outputs:
+        if outputs is not None and name is not None and name in outputs and old.format.bits == 8:
             maxima = _after(maxima, outputs[name])
         out.append(encode_with(x, maxima, old.format))
     return treedef.unflatten(out)
