@@ -129,7 +129,7 @@ def encode(y: Any, bits: int, signed: bool) -> jax.Array:
         return jnp.where((y < 0) & (m > 0), m + 128, m)  # no negative zero: one code for 0
     if bits == 8:
         # Below the midpoint of level 15 (2**-15) and level 16 (2**-15 * 17/16): the linear codes.
-        linear = jnp.clip(jnp.round(y * (1 / _UNSIGNED8_LINEAR)).astype(jnp.int32) - 1, 0, 15)
+        linear = jnp.clip(_rounded(y * (1 / _UNSIGNED8_LINEAR)) - 1, 0, 15)
         return jnp.where(y < 2.0**-15 * (33 / 32), linear, jnp.clip(_grid_code(y, _UNSIGNED8_BASE), 16, 255))
     if signed:
         # The rank of |y| among the midpoints of its side (8 above 0, 7 below): a count of comparisons,
@@ -142,7 +142,20 @@ def encode(y: Any, bits: int, signed: bool) -> jax.Array:
             below = np.float32(negative[i]) if i < len(negative) else np.float32(np.inf)
             rank = rank + (z > jnp.where(negative_side, below, np.float32(above))).astype(jnp.int32)
         return jnp.where(negative_side, 7 - rank, 7 + rank)
-    return jnp.clip(jnp.round(y * 16).astype(jnp.int32) - 1, 0, 15)
+    return jnp.clip(_rounded(y * 16) - 1, 0, 15)
+
+
+_MAGIC = np.float32(1.5 * 2**23)  # adding it leaves an integer's value in the low mantissa bits
+
+
+def _rounded(v: jax.Array) -> jax.Array:
+    """``round(v)`` (half to even) as int32 for ``|v| < 2**22``; any integer for larger, NaN or infinite ``v``.
+
+    The float addition rounds, and the integer is read from the bits: no
+    float-to-int conversion, which XLA makes saturating at several vector
+    instructions an element.
+    """
+    return jax.lax.bitcast_convert_type(v.astype(jnp.float32) + _MAGIC, jnp.int32) - int(_MAGIC.view(np.int32))
 
 
 def _grid(code: jax.Array, base: int) -> jax.Array:
