@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from treeopt._step import lowbit_maps
+from treeopt._step import lowbit, lowbit_maps
 from treeopt._step.lowbit import (
     Format,
     QuantizedLeaf,
@@ -299,12 +299,26 @@ def test_the_codes_of_a_constant_are_built_as_the_encoder_would_compute_them(bit
     np.testing.assert_array_equal(built.scales, computed.scales)
 
 
-def test_block_maxima_take_every_element_and_keep_nan():
-    x = jax.random.normal(jax.random.key(4), (6, 512))
-    fmt = Format(8, True, *block_layout(x.shape, 8))
-    expected = np.abs(np.asarray(x)).reshape(6, -1, fmt.block).max(-1)
-    np.testing.assert_array_equal(block_maxima(x, fmt), expected)
-    assert bool(jnp.isnan(block_maxima(x.at[3, 300].set(jnp.nan), fmt)[3, 1]))
+@pytest.mark.parametrize("sharded", [True, False], ids=["strided slices", "contiguous runs"])
+@pytest.mark.parametrize("bits, block", [(8, 256), (4, 128), (4, 124), (8, 250)])
+def test_block_maxima_take_every_element_and_keep_nan(monkeypatch, sharded, bits, block):
+    # Eight slices of a block (four of a block of 124, a plain reduction of 250), taken as on
+    # one device or where a mesh may split the blocks: every element counts either way.
+    monkeypatch.setattr(lowbit, "_slices_may_be_sharded", lambda: sharded)
+    x = jax.random.normal(jax.random.key(4), (64, 4 * block))
+    fmt = Format(bits, True, 1, block)
+    expected = np.abs(np.asarray(x)).reshape(64, -1, block).max(-1)
+    np.testing.assert_array_equal(jax.jit(block_maxima, static_argnums=1)(x, fmt), expected)
+    assert bool(jnp.isnan(block_maxima(x.at[3, block + 7].set(jnp.nan), fmt)[3, 1]))
+
+
+@pytest.mark.parametrize("dtype, top", [(jnp.float32, 1e-34), (jnp.bfloat16, 1e-34), (jnp.float16, 1e-3)])
+def test_a_block_of_tiny_second_moments_never_decodes_to_zero(dtype, top):
+    # The smallest unsigned level (1.9e-6 of the scale) times a tiny scale underflows the dtype:
+    # the decoder floors it at the smallest positive number the dtype holds.
+    x = jnp.asarray(np.geomspace(top * 1e-9, top, 256), dtype)
+    decoded = quantize(x, 8, signed=False).dequantize()
+    assert bool(jnp.all(decoded > 0)), decoded
 
 
 def _dynamic_4bit_levels():

@@ -279,9 +279,10 @@ def quantize(x: Any, bits: int, *, signed: bool = True, fmt: Format | None = Non
 def block_maxima(x: Any, fmt: Format) -> jax.Array:
     """The absolute maximum of each block of ``x`` in the layout of ``fmt`` (NaN where a block is not finite).
 
-    The maxima of eight slices of each block (four at 4 bits) are taken
-    first, elementwise: XLA fuses that into the loop that computes ``x``, so
-    only an eighth of it is written out for the reduction.
+    The maxima of eight slices of each block (four where its length is not a
+    multiple of eight) are taken first, elementwise: XLA fuses that into the
+    loop that computes ``x``, so only an eighth of it is written out for the
+    reduction.
 
     Example:
         >>> import jax.numpy as jnp
@@ -292,16 +293,18 @@ def block_maxima(x: Any, fmt: Format) -> jax.Array:
     compute = _compute_dtype(x.dtype)
     magnitude = jnp.abs(x.astype(compute))
     blocks = _blocked(magnitude, x.shape, fmt, pad=0)
-    fan = 8 if fmt.bits == 8 else 4
-    if fmt.block % fan == 0:
-        # The bits of a non-negative float order like the float, NaN above infinity: a maximum by
-        # integer comparison keeps NaN. As a select it stays a loop XLA fuses the values into.
-        as_int = jnp.int64 if compute == jnp.float64 else jnp.int32
+    # The bits of a non-negative float order like the float, NaN above infinity: a maximum by
+    # integer comparison keeps NaN, which XLA's float reductions on a CPU may drop.
+    as_int = jnp.int64 if compute == jnp.float64 else jnp.int32
+    fan = 8 if fmt.block % 8 == 0 else 4
+    if fmt.block % fan == 0:  # as selects, the first maxima stay a loop XLA fuses the values into
         parts = [jax.lax.bitcast_convert_type(part, as_int) for part in _fan_parts(blocks, fan)]
         while len(parts) > 1:
             parts = [jnp.where(a > b, a, b) for a, b in zip(parts[::2], parts[1::2], strict=True)]
-        blocks = jax.lax.bitcast_convert_type(parts[0], compute)
-    maxima = jnp.max(blocks, axis=-1)
+        bits = parts[0]
+    else:
+        bits = jax.lax.bitcast_convert_type(blocks, as_int)
+    maxima = jax.lax.bitcast_convert_type(jnp.max(bits, axis=-1), compute)
     return jnp.where(jnp.isfinite(maxima), maxima, jnp.nan).reshape(scales_shape(x.shape, fmt))
 
 
@@ -314,11 +317,16 @@ def _fan_parts(blocks: jax.Array, fan: int) -> list[jax.Array]:
     strided slice of it stays where it is. (Slices, not a strided index: at
     JAX 0.7 that is a gather, which explicit sharding refuses.)
     """
-    if jax.device_count() == 1:
+    if not _slices_may_be_sharded():
         run = blocks.shape[-1] // fan
         return [jax.lax.slice_in_dim(blocks, i * run, (i + 1) * run, axis=-1) for i in range(fan)]
     return [jax.lax.slice_in_dim(blocks, i, None, fan, -1) for i in range(fan)]
 
+
+
+def _slices_may_be_sharded() -> bool:
+    """Whether a mesh could split the arrays of this process: more than one device."""
+    return jax.device_count() > 1
 
 def encode_with(x: Any, maxima: Any, fmt: Format) -> QuantizedLeaf:
     """``x`` encoded against the block ``maxima`` given (from :func:`block_maxima` of ``x``, or of the same values).
@@ -342,9 +350,9 @@ def encode_with(x: Any, maxima: Any, fmt: Format) -> QuantizedLeaf:
     usable = maxima > 0  # False for 0 and NaN
     inverse = jnp.where(usable, 1 / jnp.where(usable, maxima * pre, 1), 0)
     y = x.astype(compute) * _broadcast(pre, x.shape, fmt) * _broadcast(inverse, x.shape, fmt)
-    y = jnp.clip(y, -1.0, 1.0).astype(jnp.float32)
-    if not fmt.signed:
-        y = jnp.maximum(y, 0)
+    # No clip to [-1, 1]: each encoder saturates beyond it (a NaN-aware clip costs four vector
+    # instructions an element, in the loop that bounds the step's time on a CPU).
+    y = y.astype(jnp.float32)  # unsigned encoders give code 0 below 0; a NaN's code is never read
     codes = lowbit_maps.encode(y, fmt.bits, fmt.signed).astype(jnp.uint8)
     if fmt.bits == 4:
         codes = _pack(codes, fmt)
@@ -378,9 +386,21 @@ def dequantize(q: QuantizedLeaf) -> jax.Array:
     if not fmt.signed:
         tiny = max(float(jnp.finfo(q.dtype).smallest_subnormal), float(jnp.finfo(compute).smallest_normal))
         floor = jnp.where(scales > 0, np.asarray(tiny, compute), np.asarray(0, compute))
-        values = jnp.maximum(values, _broadcast(floor, q.shape, fmt))
+        values = _larger_of_nonnegative(values, _broadcast(floor, q.shape, fmt))
     return values.astype(q.dtype)
 
+
+
+def _larger_of_nonnegative(a: jax.Array, b: jax.Array) -> jax.Array:
+    """The elementwise maximum of two arrays of non-negative floats (or NaN), compared by their bits.
+
+    As unsigned integers the bits order like the floats, and any NaN lies
+    above them all, so a NaN wins as ``jnp.maximum`` keeps it: one integer
+    instruction where a NaN-aware float maximum is three or four.
+    """
+    unsigned = jnp.uint64 if a.dtype == jnp.float64 else jnp.uint32
+    bits = jnp.maximum(jax.lax.bitcast_convert_type(a, unsigned), jax.lax.bitcast_convert_type(b, unsigned))
+    return jax.lax.bitcast_convert_type(bits, a.dtype)
 
 def constant(value: float, shape: Sequence[int], dtype: Any, fmt: Format) -> QuantizedLeaf:
     """The codes of an array of ``shape`` filled with ``value``, built directly rather than computed.

@@ -151,7 +151,7 @@ def _blocks_for(row: int, bits: int) -> list[int]:
     largest = _MAX_BLOCK[bits]
     if row <= largest:
         return [max(row + row % 2 if bits == 4 else row, 1)]
-    smallest, step = largest * 5 // 8, 8 if bits == 8 else 4  # the block maxima take eight (four) at a time
+    smallest, step = largest * 5 // 8, 8 if bits == 8 else 4  # slices of eight (four) for the block maxima
     found = [block for block in range(largest, smallest - 1, -step) if row % block == 0][:1]
     return [*found, largest]
 
