@@ -155,6 +155,23 @@ def test_each_narrow_param_draws_its_own_random_bits():
     assert not np.array_equal(np.asarray(new["a"]), np.asarray(new["b"]))  # the same values, other bits
 
 
+@pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2])
+def test_kahan_moves_a_float8_param_by_the_sum_of_updates_far_below_its_step(dtype):
+    # Each update is a hundredth of the param's step at 1.0: rounded alone, none would move it.
+    # The compensation is held in bfloat16, where the residues add up (in float8 they stalled).
+    params = {"w": jnp.ones((256,), dtype)}
+    gap = float(jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(params["w"][0], jnp.uint8) + 1, dtype)) - 1
+    opt = treeopt.Optimizer(optax.sgd(1.0), param_rounding="kahan").init(params)
+    assert opt.rounding["compensation"]["w"].dtype == BF16
+    step = jax.jit(lambda p, o, g: (o.update(g, p), o))
+    grads = {"w": jnp.full((256,), -gap / 100, F32).astype(dtype)}
+    added = -200 * float(grads["w"][0].astype(F32))
+    for _ in range(200):
+        params, opt = step(params, opt, grads)
+    moved = np.asarray(params["w"].astype(F32)) - 1.0
+    assert added > gap and np.all(np.abs(moved - added) <= 2 * gap), (moved[:4], added, gap)
+
+
 # -- bytes, options, bad input ---------------------------------------------------------------------
 
 

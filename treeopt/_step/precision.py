@@ -276,12 +276,20 @@ class _Rounded(Precision):
         return {name: p.astype(F32) for name, p in params.items() if self.narrow(p.dtype)}
 
 
+
+def _compensation_dtype(dtype: Any) -> Any:
+    """The dtype of a Kahan buffer: the param's own, bfloat16 for a one-byte float."""
+    return jnp.bfloat16 if jnp.dtype(dtype).itemsize == 1 else dtype
+
 @dataclasses.dataclass(frozen=True)
 class Kahan(_Rounded):
     """Kahan-compensated summation: a buffer in each narrow param's dtype keeps what rounding lost.
 
     The next update adds it back first, so small updates add up instead of
-    rounding away (+2 bytes per bfloat16 parameter).
+    rounding away (+2 bytes per bfloat16 parameter). A float8 param keeps its
+    buffer in bfloat16: with 2 or 3 mantissa bits, a float8 buffer would
+    round each new residue away once the sum nears a quarter of the param's
+    step, and the param would never move.
 
     Example:
         >>> import jax.numpy as jnp
@@ -293,7 +301,13 @@ class Kahan(_Rounded):
     choice: ClassVar[str] = "kahan"
 
     def fresh(self, flat: Mapping[str, Any]) -> dict[str, Any]:
-        return {"compensation": {k: jnp.zeros_like(v) for k, v in flat.items() if self.narrow(v.dtype)}}
+        return {
+            "compensation": {
+                k: jnp.zeros_like(v, dtype=_compensation_dtype(v.dtype))
+                for k, v in flat.items()
+                if self.narrow(v.dtype)
+            }
+        }
 
     def written(
         self, wide: Mapping[str, Any], updates: Mapping[str, Any], dtypes: Mapping[str, Any], held: Any
@@ -302,7 +316,7 @@ class Kahan(_Rounded):
         for k, w in wide.items():
             total = updates[k] + compensation[k].astype(F32)  # what this step adds, and what the last one lost
             new[k] = (w + total).astype(dtypes[k])
-            compensation[k] = (total - (new[k].astype(F32) - w)).astype(dtypes[k])
+            compensation[k] = (total - (new[k].astype(F32) - w)).astype(compensation[k].dtype)
         return new, {"compensation": compensation}
 
     def entries(self, held: Any) -> dict[str, Any]:
