@@ -66,6 +66,9 @@ def _linear_step() -> float:
     lowest = 64 >> (_SEGMENTS - 1)
     first = 2.0 ** (-_OCTAVES * _SEGMENTS) * (1 + 2.0 ** (_SEGMENTS - 1 - _TOP_BITS))
     return first / lowest
+# The signed decoder's base pattern: segment s = clz(m) - 25 starts 2 s octaves below 1, at 64 >> s.
+_SIGNED8_BASE = ((25 * _OCTAVES + 127 - _OCTAVES) << 23) - (64 << (23 - _TOP_BITS))
+_LINEAR_STEP_BITS = int(np.float32(_linear_step()).view(np.int32))
 _UNSIGNED8_LINEAR = 2.0**-19  # the step of codes 0..15 of the unsigned map
 # f(x) = x * (A + x * (B + C * x)): the 4-bit signed magnitudes, exact binary fractions with A + B + C = 1.
 _CUBIC = (47 / 64, -29 / 64, 46 / 64)
@@ -82,14 +85,12 @@ def decode(codes: Any, bits: int, signed: bool) -> jax.Array:
     c = jnp.asarray(codes).astype(jnp.int32)
     if bits == 8 and signed:
         m = c & 127
-        # Segment s (0 = the top 4 octaves) of magnitude m >= 4 holds 64 >> s codes of 4 - s mantissa bits.
-        lowest = 64 >> (_SEGMENTS - 1)  # magnitudes below it are linear
-        segment = jax.lax.clz(jnp.maximum(m, lowest)) - 25
-        shift = 23 - _TOP_BITS + segment
-        pattern = ((m - (64 >> segment) + 1) << shift) + ((127 - _OCTAVES * (segment + 1)) << 23)
-        tapered = jax.lax.bitcast_convert_type(pattern, jnp.float32)
-        magnitude = jnp.where(m < lowest, m.astype(jnp.float32) * _linear_step(), tapered)
-        return jnp.where(c >= 128, -magnitude, magnitude)
+        # Magnitude m >= 4 of segment s (clz(m) - 25) is (m + 1) << (18 + s), less (s << 24), above a
+        # base: the segment's octaves and mantissa bits in one shift. Integer work alone, sign included.
+        z = jax.lax.clz(jnp.maximum(m, 64 >> (_SEGMENTS - 1)))
+        tapered = ((m + 1) << (z - 2 - _TOP_BITS)) - ((z * _OCTAVES) << 23) + _SIGNED8_BASE
+        magnitude = jnp.where(m < 64 >> (_SEGMENTS - 1), -m & _LINEAR_STEP_BITS, tapered)  # linear: 0 and 1 step
+        return jax.lax.bitcast_convert_type(magnitude | ((c & 128) << 24), jnp.float32)
     if bits == 8:
         grid = _grid(c, _UNSIGNED8_BASE)
         return jnp.where(c < 16, (c + 1).astype(jnp.float32) * _UNSIGNED8_LINEAR, grid)
