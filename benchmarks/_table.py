@@ -81,6 +81,8 @@ def _value(row: Row) -> str:
         return f"{row.value:.3f} B/param"
     if row.unit == "traces":
         return f"{row.value:.0f}"
+    if row.unit in ("loss", "rel. L2"):  # values near 1 or below, compared in their third digit
+        return f"{row.value:.4f} {row.unit}"
     return f"{row.value:.1f} {row.unit}"
 
 
