@@ -367,11 +367,22 @@ def small_disk(path):
             subprocess.run(["umount", str(path)], check=True)
 
 
+def _reports(output):
+    """The child's JSON reports, wherever they stand in its output: orbax's threads log to the same
+    pipe, and a log line may land inside a report's line, before or after it."""
+    decoder, reports = json.JSONDecoder(), []
+    for line in output.splitlines():
+        start = line.find('{"what"')
+        if start != -1:
+            reports.append(decoder.raw_decode(line, start)[0])
+    return reports
+
+
 def test_a_save_that_fails_on_a_full_disk_leaves_nothing_and_the_last_checkpoint_restores(tmp_path):
     with small_disk(tmp_path / "disk") as (disk, how), child_process(_FULL, disk, how) as child:
         output = read_until(child, "END")
         assert child.wait(timeout=DEADLINE_S) == 0, output  # nothing left running: it exits
-    reports = [json.loads(line) for line in output.splitlines() if line.startswith("{")]
+    reports = _reports(output)
     assert [r["what"] for r in reports] == ["one directory", "manager", "manager", "manager"], output
     assert all(r["failed"] for r in reports), output
     assert reports[0]["listing"] == ["ckpt"], output  # no ckpt.treeopt-new.orbax-checkpoint-tmp
