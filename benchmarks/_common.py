@@ -164,6 +164,18 @@ def with_ratios(rows: list[Row], baseline: str = BASELINE) -> list[Row]:
     return rows
 
 
+class DonatedLoop:
+    """Feeds a jitted ``fn(params, grads, state) -> (params, state)`` its own outputs, params and state
+    donated as a training loop would; ``step()`` returns param ``"w0"`` to block on (see :class:`Stepper`)."""
+
+    def __init__(self, fn: Callable[..., Any], params: Any, grads: Any, state: Any):
+        self.fn, self.params, self.grads, self.state = fn, params, grads, state
+
+    def step(self) -> Any:
+        self.params, self.state = self.fn(self.params, self.grads, self.state)
+        return self.params["w0"]
+
+
 @dataclass
 class Stepper:
     """A variant under timing: ``step()`` runs one step and returns an array to block on.

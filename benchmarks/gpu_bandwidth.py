@@ -12,27 +12,17 @@ runs it anyway (on a small size: the smoke test uses it to exercise the code).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 import treeopt
 from benchmarks import models
-from benchmarks._common import Profile, Row, Stepper, first_call, interleaved, median_ms, spread
+from benchmarks._common import DonatedLoop, Profile, Row, Stepper, first_call, interleaved, median_ms, spread
 
 CASE = "gpu_bandwidth"
 BYTES_PER_PARAM = 28
 N_LEAVES = 8
-
-
-class Loop:
-    def __init__(self, fn: Callable[..., Any], params: Any, grads: Any, state: Any):
-        self.fn, self.params, self.grads, self.state = fn, params, grads, state
-
-    def step(self) -> Any:
-        self.params, self.state = self.fn(self.params, self.grads, self.state)
-        return self.params["w0"]
 
 
 def run(profile: Profile, log: Callable[[str], None] = print, force: bool = False) -> list[Row]:
@@ -57,10 +47,10 @@ def run(profile: Profile, log: Callable[[str], None] = print, force: bool = Fals
         for name in ("optax", "treeopt"):
             params = zeros()
             if name == "optax":
-                loop = Loop(jax.jit(models.optax_update(tx), donate_argnums=(0, 2)), params, grads, tx.init(params))
+                loop = DonatedLoop(jax.jit(models.optax_update(tx), donate_argnums=(0, 2)), params, grads, tx.init(params))
             else:
                 opt = treeopt.Optimizer(tx).init(params)
-                loop = Loop(jax.jit(models.treeopt_update, donate_argnums=(0, 2)), params, grads, opt)
+                loop = DonatedLoop(jax.jit(models.treeopt_update, donate_argnums=(0, 2)), params, grads, opt)
             stepper = Stepper(name, loop.step)
             first_call(stepper)
             interleaved([stepper], warmup=2, rounds=1, per_round=steps)

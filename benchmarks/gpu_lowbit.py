@@ -18,7 +18,6 @@ runs it anyway (on a small size: the smoke test uses it to exercise the code).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +25,7 @@ import optax
 
 import treeopt
 from benchmarks import models
-from benchmarks._common import Profile, Row, Stepper, first_call, interleaved, median_ms, spread
+from benchmarks._common import DonatedLoop, Profile, Row, Stepper, first_call, interleaved, median_ms, spread
 
 CASE = "gpu_lowbit"
 N_LEAVES = 8
@@ -40,15 +39,6 @@ def lower_bound_bytes_per_param(bits: int | None) -> float:
     if bits is None:
         return 12 + 2 * 2 * 4
     return 12 + 2 * 2 * (bits / 8 + 4 / BLOCK[bits])
-
-
-class Loop:
-    def __init__(self, fn: Callable[..., Any], params: Any, grads: Any, opt: Any):
-        self.fn, self.params, self.grads, self.opt = fn, params, grads, opt
-
-    def step(self) -> Any:
-        self.params, self.opt = self.fn(self.params, self.grads, self.opt)
-        return self.params["w0"]
 
 
 def run(
@@ -78,7 +68,7 @@ def run(
         bits = VARIANTS[name]
         params = zeros()
         opt = jax.jit(treeopt.Optimizer(tx, state_bits=bits).init)(params)
-        loop = Loop(jax.jit(models.treeopt_update, donate_argnums=(0, 2)), params, grads, opt)
+        loop = DonatedLoop(jax.jit(models.treeopt_update, donate_argnums=(0, 2)), params, grads, opt)
         stepper = Stepper(name, loop.step)
         first_call(stepper)
         interleaved([stepper], warmup=2, rounds=1, per_round=steps)

@@ -31,11 +31,13 @@ import jax.numpy as jnp
 import optax
 
 import treeopt
+from benchmarks import models
 from benchmarks._common import (
     FULL,
     QUICK,
     ROOT,
     SMOKE,
+    DonatedLoop,
     Profile,
     Row,
     Stepper,
@@ -83,21 +85,6 @@ def _config(profile: Profile) -> dict[str, Any]:
     return CONFIGS[profile.name if profile.name in CONFIGS else "full"]
 
 
-class Loop:
-    """Feeds a jitted ``fn(params, opt, grads) -> (params, opt)`` its own outputs (donated)."""
-
-    def __init__(self, fn: Callable[..., Any], params: Any, opt: Any, grads: Any):
-        self.fn, self.params, self.opt, self.grads = fn, params, opt, grads
-
-    def step(self) -> Any:
-        self.params, self.opt = self.fn(self.params, self.opt, self.grads)
-        return self.params["w0"]
-
-
-def _update(params: Any, opt: Any, grads: Any) -> tuple[Any, Any]:
-    return opt.update(grads, params), opt
-
-
 def _leaves(shapes: Sequence[tuple[int, ...]], dtype: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     keys = jax.random.split(jax.random.key(0), len(shapes))
     params = {f"w{i}": jax.random.normal(k, s).astype(dtype) for i, (k, s) in enumerate(zip(keys, shapes, strict=True))}
@@ -109,7 +96,7 @@ def _steppers(options: dict[str, dict[str, Any]], params: Any, grads: Any) -> li
     steppers = []
     for name, kw in options.items():
         opt = jax.jit(treeopt.Optimizer(optax.adamw(1e-3), **kw).init)(params)
-        loop = Loop(jax.jit(_update, donate_argnums=(0, 1)), copy_tree(params), opt, grads)
+        loop = DonatedLoop(jax.jit(models.treeopt_update, donate_argnums=(0, 2)), copy_tree(params), grads, opt)
         steppers.append(Stepper(name, loop.step))
     return steppers
 
