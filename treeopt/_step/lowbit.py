@@ -70,14 +70,16 @@ __all__ = [
     "Format",
     "QuantizedLeaf",
     "block_layout",
+    "block_maxima",
     "bytes_of",
     "codes_shape",
-    "describe_entry",
-    "scales_shape",
     "constant",
     "dequantize",
+    "describe_entry",
+    "encode_with",
     "is_quantized",
     "quantize",
+    "scales_shape",
 ]
 
 
@@ -323,10 +325,10 @@ def _fan_parts(blocks: jax.Array, fan: int) -> list[jax.Array]:
     return [jax.lax.slice_in_dim(blocks, i, None, fan, -1) for i in range(fan)]
 
 
-
 def _slices_may_be_sharded() -> bool:
     """Whether a mesh could split the arrays of this process: more than one device."""
     return jax.device_count() > 1
+
 
 def encode_with(x: Any, maxima: Any, fmt: Format) -> QuantizedLeaf:
     """``x`` encoded against the block ``maxima`` given (from :func:`block_maxima` of ``x``, or of the same values).
@@ -357,7 +359,7 @@ def encode_with(x: Any, maxima: Any, fmt: Format) -> QuantizedLeaf:
     if fmt.bits == 4:
         codes = _pack(codes, fmt)
     return QuantizedLeaf(
-        codes, maxima.astype(_scales_dtype(x.dtype)), shape=x.shape, dtype=x.dtype, format=fmt
+        codes, maxima.astype(_compute_dtype(x.dtype)), shape=x.shape, dtype=x.dtype, format=fmt
     )
 
 
@@ -390,7 +392,6 @@ def dequantize(q: QuantizedLeaf) -> jax.Array:
     return values.astype(q.dtype)
 
 
-
 def _larger_of_nonnegative(a: jax.Array, b: jax.Array) -> jax.Array:
     """The elementwise maximum of two arrays of non-negative floats (or NaN), compared by their bits.
 
@@ -401,6 +402,7 @@ def _larger_of_nonnegative(a: jax.Array, b: jax.Array) -> jax.Array:
     unsigned = jnp.uint64 if a.dtype == jnp.float64 else jnp.uint32
     bits = jnp.maximum(jax.lax.bitcast_convert_type(a, unsigned), jax.lax.bitcast_convert_type(b, unsigned))
     return jax.lax.bitcast_convert_type(bits, a.dtype)
+
 
 def constant(value: float, shape: Sequence[int], dtype: Any, fmt: Format) -> QuantizedLeaf:
     """The codes of an array of ``shape`` filled with ``value``, built directly rather than computed.
@@ -428,16 +430,13 @@ def constant(value: float, shape: Sequence[int], dtype: Any, fmt: Format) -> Qua
     code = int(np.argmin(np.abs(table.astype(np.float64) - (level if scale else 0.0))))
     byte = code | (code << 4) if fmt.bits == 4 else code
     codes = jnp.full(codes_shape(shape, fmt), byte, jnp.uint8)
-    scales = jnp.full(scales_shape(shape, fmt), scale, _scales_dtype(dtype))
+    scales = jnp.full(scales_shape(shape, fmt), scale, _compute_dtype(dtype))
     return QuantizedLeaf(codes, scales, shape=shape, dtype=dtype, format=fmt)
 
 
 def _compute_dtype(dtype: Any) -> Any:
-    return jnp.float64 if jnp.dtype(dtype) == jnp.float64 else jnp.float32
-
-
-def _scales_dtype(dtype: Any) -> Any:
-    """float32 scales, float64 for float64 arrays: a float64 moment beyond float32's range stays finite."""
+    """float32, float64 for float64 arrays: the dtype codes are computed in and scales are held in, so a
+    float64 moment beyond float32's range stays finite."""
     return jnp.float64 if jnp.dtype(dtype) == jnp.float64 else jnp.float32
 
 
@@ -472,11 +471,13 @@ def _pack(codes: jax.Array, fmt: Format) -> jax.Array:
 
     A row is the flattened axes from ``fmt.axis`` on (padded to an even
     length). Pairing halves keeps unpacking to one concatenation of contiguous
-    halves, which XLA fuses into the loops that read the codes at little cost;
-    the halves are paired by a swap of axes and read as 16-bit words,
-    elementwise work XLA vectorizes (pairing neighbours, or slicing halves
-    apart, costs it three to ten times more). The price: a shard may split the
-    axes before ``fmt.axis``, not the row itself.
+    halves: on a CPU XLA writes it out, one byte an element, rather than fuse
+    it into the loops that read the codes, and still that is the cheapest
+    unpacking measured (pairing neighbours, or slicing halves apart, cost it
+    three to ten times more; broadcast shifts, or pads and a select, made the
+    4-bit step about twice as slow). The halves are paired by a swap of axes
+    and read as 16-bit words, elementwise work XLA vectorizes. The price: a
+    shard may split the axes before ``fmt.axis``, not the row itself.
     """
     shape = tuple(codes.shape)
     lead = shape[: fmt.axis]

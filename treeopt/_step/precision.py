@@ -276,7 +276,6 @@ class _Rounded(Precision):
         return {name: p.astype(F32) for name, p in params.items() if self.narrow(p.dtype)}
 
 
-
 def _compensation_dtype(dtype: Any) -> Any:
     """The dtype of a Kahan buffer: the param's own, bfloat16 for a one-byte float."""
     return jnp.bfloat16 if jnp.dtype(dtype).itemsize == 1 else dtype
