@@ -5,7 +5,8 @@ and each element takes the code of the nearest level of a fixed map. The
 maps here are written as elementwise integer and float arithmetic, with no
 table lookup: XLA fuses such arithmetic into the loops that read and write
 the state (a table lookup is a gather, which XLA materializes), so a low-bit
-step costs little more than a float32 one.
+step pays for the arithmetic of decoding and encoding, not for extra trips
+through memory.
 
 - **8-bit signed** (first moments, momentum traces): a sign bit and 7 bits of
   magnitude, a binary form of the dynamic map of Dettmers et al. ("8-bit
@@ -58,14 +59,14 @@ _UNSIGNED8_BASE = (127 - 16) << 23
 # The 8-bit signed map: segments of _OCTAVES octaves each, the top one with _TOP_BITS mantissa bits and
 # each next one a bit fewer; magnitudes below the last segment are linear, down to exact 0.
 _TOP_BITS, _OCTAVES, _SEGMENTS = 5, 2, 6
-assert _OCTAVES & (_OCTAVES - 1) == 0 and 64 >> (_SEGMENTS - 1) == 2  # the encoder's shift and two linear codes
+_LOWEST = 64 >> (_SEGMENTS - 1)  # the lowest tapered magnitude; those below are linear
+assert _OCTAVES & (_OCTAVES - 1) == 0 and _LOWEST == 2  # the encoder's shift and two linear codes
 
 
 def _linear_step() -> float:
     """The step of the signed map's linear magnitudes, up to its lowest tapered level without a gap."""
-    lowest = 64 >> (_SEGMENTS - 1)
     first = 2.0 ** (-_OCTAVES * _SEGMENTS) * (1 + 2.0 ** (_SEGMENTS - 1 - _TOP_BITS))
-    return first / lowest
+    return first / _LOWEST
 # The signed decoder's base pattern: segment s = clz(m) - 25 starts 2 s octaves below 1, at 64 >> s.
 _SIGNED8_BASE = ((25 * _OCTAVES + 127 - _OCTAVES) << 23) - (64 << (23 - _TOP_BITS))
 _LINEAR_STEP_BITS = int(np.float32(_linear_step()).view(np.int32))
@@ -85,11 +86,11 @@ def decode(codes: Any, bits: int, signed: bool) -> jax.Array:
     c = jnp.asarray(codes).astype(jnp.int32)
     if bits == 8 and signed:
         m = c & 127
-        # Magnitude m >= 4 of segment s (clz(m) - 25) is (m + 1) << (18 + s), less (s << 24), above a
-        # base: the segment's octaves and mantissa bits in one shift. Integer work alone, sign included.
-        z = jax.lax.clz(jnp.maximum(m, 64 >> (_SEGMENTS - 1)))
+        # Magnitude m >= _LOWEST of segment s (clz(m) - 25) is (m + 1) << (18 + s), less (s << 24), above
+        # a base: the segment's octaves and mantissa bits in one shift. Integer work alone, sign included.
+        z = jax.lax.clz(jnp.maximum(m, _LOWEST))
         tapered = ((m + 1) << (z - 2 - _TOP_BITS)) - ((z * _OCTAVES) << 23) + _SIGNED8_BASE
-        magnitude = jnp.where(m < 64 >> (_SEGMENTS - 1), -m & _LINEAR_STEP_BITS, tapered)  # linear: 0 and 1 step
+        magnitude = jnp.where(m < _LOWEST, -m & _LINEAR_STEP_BITS, tapered)  # linear: 0 and 1 step
         return jax.lax.bitcast_convert_type(magnitude | ((c & 128) << 24), jnp.float32)
     if bits == 8:
         grid = _grid(c, _UNSIGNED8_BASE)
@@ -114,7 +115,6 @@ def encode(y: Any, bits: int, signed: bool) -> jax.Array:
     y = jnp.asarray(y, jnp.float32)
     if bits == 8 and signed:
         z = jnp.abs(y)
-        lowest = 64 >> (_SEGMENTS - 1)
         pattern = jax.lax.bitcast_convert_type(z, jnp.int32)
         # The segment from the octave: 0 for the top _OCTAVES octaves, below 1. A shift, not //, which
         # XLA would correct for negative numerators with three more operations per element.
@@ -123,10 +123,10 @@ def encode(y: Any, bits: int, signed: bool) -> jax.Array:
         shift = 23 - _TOP_BITS + segment
         base = (127 - _OCTAVES * (segment + 1)) << 23
         steps = (pattern - base + (1 << (shift - 1))) >> shift
-        tapered = jnp.clip(steps - 1 + (64 >> segment), lowest, 127)  # 0 steps: the segment below's top
+        tapered = jnp.clip(steps - 1 + (64 >> segment), _LOWEST, 127)  # 0 steps: the segment below's top
         # The linear magnitudes below the tapered ones are 0 and 1 step: a comparison picks between them.
         step = _linear_step()
-        m = jnp.where(z < (lowest - 0.5) * step, (z >= 0.5 * step).astype(jnp.int32), tapered)
+        m = jnp.where(z < (_LOWEST - 0.5) * step, (z >= 0.5 * step).astype(jnp.int32), tapered)
         return jnp.where((y < 0) & (m > 0), m + 128, m)  # no negative zero: one code for 0
     if bits == 8:
         # Below the midpoint of level 15 (2**-15) and level 16 (2**-15 * 17/16): the linear codes.
