@@ -299,6 +299,11 @@ def test_partition_specs_give_codes_the_params_spec_and_scales_the_axes_they_kee
     assert specs.opt_state[0].mu["w"].scales == P("data")
     zero = opt.partition_specs({"w": P()}, shard_state_over="data", mesh=_mesh())
     assert zero.opt_state[0].nu["w"].codes == P("data") and zero.opt_state[0].nu["w"].scales == P("data")
+    # The blocks' axis keeps its entry in the scales only where its mesh axes' sizes are known and cut
+    # whole blocks: "model" of size 2 does, an axis the sizes do not give is dropped.
+    q = opt.opt_state[0].mu["w"]
+    assert q.partition_specs(P("data", "model"), {"data": 4, "model": 2}).scales == P("data", "model")
+    assert q.partition_specs(P("data", "model"), {"data": 4}).scales == P("data")
 
 
 @pytest.mark.parametrize("bits", [8, 4])

@@ -23,6 +23,8 @@ from typing import Any
 import numpy as np
 from jax.sharding import PartitionSpec
 
+from treeopt._sharding.specs import axis_names_of, spec_of_entries
+
 __all__ = [
     "FORMAT_VERSION",
     "Format",
@@ -227,10 +229,11 @@ def partition_entries(
     codes = entries if fmt.bits == 8 else entries[: fmt.axis]  # 4-bit bytes pair the two halves of a row
     j = fmt.axis
     at_blocks = entries[j] if all(e is None for e in entries[j + 1 :]) else None
-    n = _shards(at_blocks, axis_sizes)
-    if at_blocks is not None and (n is None or shape[j] % n or not _splits_whole(shape, fmt, j, n)):
-        at_blocks = None
-    return _spec(codes), _spec([*entries[:j], at_blocks])
+    if at_blocks is not None:
+        n = _shards(at_blocks, axis_sizes)
+        if n is None or shape[j] % n or not _splits_whole(shape, fmt, j, n):
+            at_blocks = None
+    return spec_of_entries(codes), spec_of_entries([*entries[:j], at_blocks])
 
 
 def zero_axes(shape: Sequence[int], fmt: Format, param_spec: PartitionSpec, shards: int) -> list[int]:
@@ -268,19 +271,9 @@ def _padded(spec: PartitionSpec, ndim: int) -> list[Any]:
     return [*spec, *([None] * (ndim - len(spec)))][:ndim]
 
 
-def _spec(entries: Sequence[Any]) -> PartitionSpec:
-    entries = list(entries)
-    while entries and entries[-1] is None:
-        entries.pop()
-    return PartitionSpec(*entries)
-
-
 def _shards(entry: Any, axis_sizes: Mapping[str, int] | None) -> int | None:
-    if entry is None:
-        return 1
-    if axis_sizes is None:
-        return None
-    names = tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
-    if any(n not in axis_sizes for n in names):
+    """Into how many parts ``entry`` cuts its axis; ``None`` when the sizes of its mesh axes are unknown."""
+    names = axis_names_of(entry)  # () for PartitionSpec.UNCONSTRAINED: unknown too
+    if not names or axis_sizes is None or any(n not in axis_sizes for n in names):
         return None
     return math.prod(axis_sizes[n] for n in names)
