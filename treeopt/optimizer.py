@@ -278,9 +278,9 @@ class Optimizer:
         flat, held = init_inputs(layout, params, lookahead, precision)
         opt_state = stable_dtypes(self.tx, jax.tree.map(strong, self.tx.init(flat)), flat, lookahead)
         if self.state_bits is not None:
-            grads = flat.fast if lookahead else flat
-            constants = constant_leaves(self.tx.init, flat) if any(is_tracer(x) for x in jax.tree.leaves(grads)) else None
-            opt_state = quantized_state(opt_state, layout, self.state_bits, grads, constants)
+            traced = any(is_tracer(x) for x in jax.tree.leaves(flat.fast if lookahead else flat))
+            constants = constant_leaves(self.tx.init, flat) if traced else None
+            opt_state = quantized_state(opt_state, layout, self.state_bits, constants)
         parts = StateParts(jnp.zeros((), jnp.int32), opt_state, {}, {})._replace(**precision.placed(held))
         return Optimizer._tree_unflatten(self._static(layout, lookahead), tuple(parts))
 

@@ -19,7 +19,8 @@ when all of these hold:
   decided, is an error).
 
 In a step the codes are read as floats, ``tx.update`` runs, and the new
-values are encoded again (:func:`encoded_after_step`); XLA fuses the three.
+values are encoded again (:func:`encoded_after_step` says how XLA fuses
+the three on a CPU and on an accelerator).
 
 Example:
     >>> import jax.numpy as jnp, optax
@@ -167,9 +168,7 @@ class Choice(NamedTuple):
     """``"Type.field"`` of a params-shaped leaf kept because its field is not a known statistic."""
 
 
-def choices(
-    opt_state: Any, layout: ParamLayout, rules: StateBits, flat_params: Mapping[str, Any] | None = None
-) -> list[Choice]:
+def choices(opt_state: Any, layout: ParamLayout, rules: StateBits) -> list[Choice]:
     """One :class:`Choice` per leaf of ``opt_state``, in tree order."""
     bits = bits_by_name(rules, layout.names)
     flat, _ = jax.tree_util.tree_flatten_with_path(opt_state)
@@ -213,7 +212,6 @@ def quantized_state(
     opt_state: Any,
     layout: ParamLayout,
     rules: StateBits,
-    flat_params: Mapping[str, Any] | None = None,
     constants: Mapping[tuple[Any, ...], float] | None = None,
 ) -> Any:
     """``opt_state`` with the leaves the module doc describes held as codes; works on abstract states too.
@@ -226,7 +224,7 @@ def quantized_state(
     """
     if not rules:
         return opt_state
-    chosen = choices(opt_state, layout, rules, flat_params)
+    chosen = choices(opt_state, layout, rules)
     unknown = sorted({c.unknown_field for c in chosen if c.unknown_field})
     if unknown:
         warnings.warn(
