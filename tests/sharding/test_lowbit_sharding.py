@@ -116,3 +116,113 @@ def test_a_bf16_kahan_8bit_zero_program_compiles_without_involuntary_remateriali
     jax.jit(step).lower(params, opt, jnp.float32(0.5)).compile()
     logged = capfd.readouterr().err
     assert "Involuntary full rematerialization" not in logged, logged[-3000:]
+
+
+def _steps(opt, params, grads_of, n, shardings=None):
+    step = jax.jit(lambda p, o, g: (o.update(g, p), o))
+    for i in range(n):
+        grads = grads_of(i)
+        params, opt = step(params, opt, grads if shardings is None else jax.device_put(grads, shardings))
+    return params, opt
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit], ids=["auto", "explicit"])
+@pytest.mark.parametrize(
+    ("shape", "spec", "bits"),
+    [
+        ((64, 512), P(None, "model"), 8),  # blocks of 256, model shards of 128
+        ((64, 200), P(None, "model"), 8),  # one block a row, model shards of 50
+        ((8192,), P("model"), 4),  # 4-bit bytes pair the halves of the one row
+    ],
+    ids=["rows-of-two-blocks", "one-short-block", "1d-4bit"],
+)
+def test_blocks_cut_by_a_model_shard_step_as_one_device(axis_type, shape, spec, bits):
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(axis_type, axis_type))
+    shardings = {"w": NamedSharding(mesh, spec)}
+    params = {"w": jax.random.normal(jax.random.key(0), shape)}
+    options = {"state_bits": bits, "param_rounding": None}
+    sharded = treeopt.partitioning.init_sharded(
+        treeopt.Optimizer(optax.adam(1e-2), **options),
+        jax.device_put(params, shardings),
+        mesh,
+        {"w": spec},
+        shard_state_over="data",
+    )
+    state_shardings = treeopt.partitioning.optimizer_shardings(sharded, {"w": spec}, mesh, shard_state_over="data")
+    plain = treeopt.Optimizer(optax.adam(1e-2), **options).init(params)
+
+    def grads_of(i):
+        return {"w": jnp.sin(params["w"] * (i + 1.5))}
+
+    want, plain = _steps(plain, params, grads_of, 3)
+    with jax.set_mesh(mesh):
+        got, sharded = _steps(sharded, jax.device_put(params, shardings), grads_of, 3, shardings)
+    np.testing.assert_array_equal(np.asarray(got["w"]), np.asarray(want["w"]))
+    for moment in ("mu", "nu"):
+        q, ref = getattr(sharded.opt_state[0], moment)["w"], getattr(plain.opt_state[0], moment)["w"]
+        np.testing.assert_array_equal(np.asarray(q.codes), np.asarray(ref.codes))
+        np.testing.assert_array_equal(np.asarray(q.scales), np.asarray(ref.scales))
+    if axis_type == AxisType.Explicit:  # the state keeps its layout, the param its own
+        for leaf, sharding in zip(jax.tree.leaves(sharded), jax.tree.leaves(state_shardings), strict=True):
+            assert leaf.sharding.is_equivalent_to(sharding, leaf.ndim), (leaf.sharding, sharding)
+        assert got["w"].sharding.is_equivalent_to(shardings["w"], len(shape))
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit], ids=["auto", "explicit"])
+def test_a_row_split_kernel_splits_its_low_bit_state_over_data_too(axis_type):
+    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(axis_type, axis_type))
+    specs = {"w": P("model", None)}  # (512, 64) split by rows: an MLP's down projection
+    params = jax.device_put({"w": jnp.ones((512, 64), jnp.bfloat16)}, NamedSharding(mesh, specs["w"]))
+    tx = optax.adam(1e-3)
+    opt = treeopt.partitioning.init_sharded(
+        treeopt.Optimizer(tx, state_bits=8, param_rounding="kahan"), params, mesh, specs, shard_state_over="data"
+    )
+    report = treeopt.partitioning.zero_report(opt, specs, mesh, "data")
+    by_path = {leaf.path: leaf for leaf in report.leaves}
+    for path in ("opt_state[0].mu['w'].codes", "opt_state[0].nu['w'].scales", "rounding['compensation']['w']"):
+        leaf = by_path[path]
+        assert (leaf.dim, leaf.reason) == (0, None), leaf  # the rows: "data" joins "model" there
+        assert leaf.zero_spec[0] == ("model", "data"), leaf
+    codes = opt.opt_state[0].mu["w"].codes
+    assert codes.addressable_shards[0].data.nbytes * 8 == codes.nbytes  # device 0 holds 1/8 of the codes
+    grads = jax.device_put({"w": jnp.full((512, 64), 0.5, jnp.bfloat16)}, NamedSharding(mesh, specs["w"]))
+    with jax.set_mesh(mesh):
+        new, opt = jax.jit(lambda p, o, g: (o.update(g, p), o))(params, opt, grads)
+    if axis_type == AxisType.Explicit:  # (under auto axes, jit's out_shardings decide)
+        assert new["w"].sharding.is_equivalent_to(NamedSharding(mesh, specs["w"]), 2)
+    assert "data" in str(opt.opt_state[0].mu["w"].codes.sharding.spec)
+
+
+def test_a_4bit_leaf_whose_bytes_span_the_shards_says_so():
+    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+    opt = jax.eval_shape(treeopt.Optimizer(optax.adam(1e-3), state_bits=4).init, {"v": jnp.ones(4096)})
+    report = treeopt.partitioning.zero_report(opt, {"v": P()}, mesh, "data")
+    reasons = {leaf.path: leaf.reason for leaf in report.leaves}
+    # 4-bit bytes pair the two halves of the one row: no shard may take part of it.
+    assert reasons["opt_state[0].mu['v'].codes"] == "a shard would cut its low-bit blocks"
+
+
+def test_warm_start_from_live_zero_low_bit_state_is_the_same_on_both_axis_types():
+    results = {}
+    for axis_type in (AxisType.Auto, AxisType.Explicit):
+        mesh = jax.make_mesh((8,), ("data",), axis_types=(axis_type,))
+        specs = {"w": P(), "v": P()}
+        shardings = {k: NamedSharding(mesh, s) for k, s in specs.items()}
+        params = jax.device_put({"w": jnp.ones((64, 64)), "v": jnp.ones(8192)}, shardings)
+        source = treeopt.partitioning.init_sharded(
+            treeopt.Optimizer(optax.adam(1e-2), state_bits=8), params, mesh, specs, shard_state_over="data"
+        )
+        grads = jax.device_put({"w": jnp.full((64, 64), 0.3), "v": jnp.linspace(-1, 1, 8192)}, shardings)
+        with jax.set_mesh(mesh):
+            _, source = _steps(source, params, lambda i: grads, 2)
+        target = treeopt.partitioning.init_sharded(
+            treeopt.Optimizer(optax.adam(1e-2), state_bits=4), params, mesh, specs, shard_state_over="data"
+        )
+        target_shardings = treeopt.partitioning.optimizer_shardings(target, specs, mesh, shard_state_over="data")
+        warm, report = treeopt.serialization.warm_start(target, source.state_dict())
+        assert len(report.converted) == 4  # mu and nu of both params: 8-bit codes to 4-bit codes
+        for leaf, sharding in zip(jax.tree.leaves(warm), jax.tree.leaves(target_shardings), strict=True):
+            assert leaf.sharding.is_equivalent_to(sharding, leaf.ndim)
+        results[axis_type] = warm
+    for got, want in zip(*(jax.tree.leaves(results[t]) for t in results), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

@@ -135,7 +135,9 @@ def owner_of(path, names):
 
 
 def check_zero_rule(opt, base, zero, axes, sizes):
-    """Each leaf: unchanged, or the base spec plus the axes it lacks on its largest free dimension they divide."""
+    """Each leaf: unchanged, or the base spec plus the axes it lacks on its largest free dimension they
+    divide; where no free dimension takes them, joined to the axes of the sharded dimension whose
+    per-device slice stays largest."""
     names = set(opt.paths)
     flat = jax.tree_util.tree_flatten_with_path(opt.opt_state)[0]
     base_leaves, zero_leaves = jax.tree.leaves(base.opt_state), jax.tree.leaves(zero.opt_state)
@@ -152,20 +154,27 @@ def check_zero_rule(opt, base, zero, axes, sizes):
         n = math.prod(sizes[a] for a in missing)
         free = [d for d in range(len(shape)) if bp[d] is None]
         fits = [d for d in free if shape[d] >= n and shape[d] % n == 0]
+        parts = {d: n * math.prod(sizes[a] for a in axes_of(bp[d])) for d in range(len(shape)) if bp[d]}
+        joins = [d for d, k in parts.items() if shape[d] % k == 0]
         eligible = (
             owner_of(path, names) is not None
             and jnp.issubdtype(leaf.dtype, jnp.inexact)
             and missing
             and math.prod(shape) > 0
-            and fits
+            and (fits or joins)
         )
         if not eligible:
             assert zp == bp, f"{where} {shape}: {b} became {z}"
             continue
-        best = max(shape[d] for d in fits)
-        dim = min(d for d in fits if shape[d] == best)
         want = list(bp)
-        want[dim] = missing[0] if len(missing) == 1 else tuple(missing)
+        if fits:
+            best = max(shape[d] for d in fits)
+            dim = min(d for d in fits if shape[d] == best)
+            want[dim] = missing[0] if len(missing) == 1 else tuple(missing)
+        else:
+            best = max(shape[d] // parts[d] for d in joins)
+            dim = min(d for d in joins if shape[d] // parts[d] == best)
+            want[dim] = (*axes_of(bp[dim]), *missing)
         assert zp == want, f"{where} {shape}: got {z}, expected {want}"
         split += 1
     return split
@@ -203,8 +212,9 @@ def test_which_dimension_and_why_not():
     assert (mu["embed"].dim, mu["embed"].zero_spec) == (0, P("data", "model"))
     assert (mu["dense/kernel"].dim, mu["dense/kernel"].zero_spec) == (0, P("data", "model"))
     assert mu["odd"].dim == 0  # (12, 10): 12 divides by 4, 10 does not
-    assert mu["dense/bias"].reason == "every dimension already sharded"  # (32,) on "model"
-    assert mu["head/kernel"].reason == "not divisible"  # (32, 10) P("model", None): 10 by 4
+    # No free dimension takes "data": it joins "model" where their 8 shards divide the dimension.
+    assert (mu["dense/bias"].dim, mu["dense/bias"].zero_spec) == (0, P(("model", "data")))  # (32,)
+    assert mu["head/kernel"].zero_spec == P(("model", "data"))  # (32, 10) P("model", None): 10 by 4 does not
     assert mu["norm/scale"].reason == "not divisible"  # (6,)
     assert mu["gain"].reason == "too small"  # a scalar
     (count,) = [leaf for leaf in report.leaves if leaf.param is None]
@@ -233,16 +243,16 @@ def test_fsdp_params_do_not_get_the_axis_twice():
     adam, factored = zero.opt_state[0][0], zero.opt_state[1][0]
     assert adam.mu["w"] == P("data", "model")
     assert adam.mu["v"] == P(None, ("model", "data"))
-    # w (16, 8): v_col (16,) keeps "data" from the param, v_row (8,) "model" only: no free dimension.
+    # w (16, 8): v_col (16,) keeps "data" from the param; v_row (8,) on "model" takes "data" beside it.
     assert factored.v_col["w"] == P("data")
-    assert factored.v_row["w"] == P("model")
+    assert factored.v_row["w"] == P(("model", "data"))
     report = zero_report(opt, specs, mesh)
     reasons = {leaf.path: leaf.reason for leaf in report.leaves}
     for name in ("w", "v"):
         for moment in ("mu", "nu"):
             assert reasons[f"opt_state[0][0].{moment}['{name}']"] == "already uses the axis"
     assert reasons["opt_state[1][0].v_col['w']"] == "already uses the axis"
-    assert reasons["opt_state[1][0].v_row['w']"] == "every dimension already sharded"
+    assert reasons["opt_state[1][0].v_row['w']"] is None
     for spec in jax.tree.leaves(zero):
         NamedSharding(mesh, spec)
 
@@ -402,10 +412,10 @@ def test_device0_holds_a_data_sized_fraction_of_the_state(mesh_name):
         base = init_sharded(treeopt.Optimizer(tx), params, mesh, specs)
         zero = init_sharded(treeopt.Optimizer(tx), params, mesh, specs, shard_state_over="data")
         report = zero_report(zero, specs, mesh, "data")
-        if (
-            name == "adam"
-        ):  # mu and nu of: embed, dense/kernel, dense/bias, head/kernel | embed, dense/kernel, odd
-            assert len(report.sharded) == (8 if n == 8 else 6)
+        if name == "adam":
+            # mu and nu of: embed, dense/kernel, dense/bias, head/kernel (8 data shards, params replicated)
+            # | embed, dense/kernel, odd, and dense/bias, head/kernel with "data" joining "model"
+            assert len(report.sharded) == (8 if n == 8 else 10)
         # Leaf by leaf: a sharded leaf holds 1/n of its former shard on device 0.
         small = 0
         for b, z, leaf in zip(

@@ -104,6 +104,12 @@ def flat_param_specs(
     """
     if isinstance(param_specs, optax.LookaheadParams):
         param_specs = param_specs.fast
+    if param_specs is None:
+        raise TypeError(
+            f"{what} is None: expected a tree of PartitionSpecs shaped like params (e.g. "
+            "{'dense': {'kernel': P(None, 'model')}}). To read them from sharded params, pass "
+            "treeopt.partitioning.param_specs_of(params); init_sharded reads them itself when given None."
+        )
     if isinstance(param_specs, PartitionSpec):
         raise TypeError(
             f"{what} must be a tree of PartitionSpecs shaped like params "
@@ -281,8 +287,14 @@ class SpecifiesItself(Protocol):
         """This leaf with a ``PartitionSpec`` at each of its arrays, from its parameter's spec."""
         ...
 
-    def zero_axes(self, param_spec: PartitionSpec, shards: int) -> list[int]:
-        """The parameter's axes a ZeRO shard of ``1 / shards`` may take for all of this leaf's arrays."""
+    def zero_axes(
+        self, param_spec: PartitionSpec, shards: int, axis_sizes: Mapping[str, int] | None = None
+    ) -> list[int]:
+        """The parameter's axes a ZeRO shard of ``1 / shards`` may take for all of this leaf's arrays.
+
+        With ``axis_sizes`` an axis the parameter's spec splits may be offered
+        too, for the ZeRO axes combined with its own.
+        """
         ...
 
 

@@ -3,8 +3,8 @@
 On top of the specs :mod:`treeopt._sharding.specs` derives from the params' specs,
 each floating-point leaf that belongs to a parameter also gets the
 data-parallel axes (``shard_state_over``), on its largest dimension that is
-not split yet and that their size divides (:func:`zero_leaf_spec`);
-:class:`ZeroReport` records, leaf by leaf, the dimension chosen or why there
+not split yet and that their size divides, or else joined to the mesh axes of
+a split dimension (:func:`zero_leaf_spec`); :class:`ZeroReport` records, leaf by leaf, the dimension chosen or why there
 was none.
 """
 
@@ -34,6 +34,7 @@ ALREADY_USES_AXIS = "already uses the axis"
 NO_FREE_DIMENSION = "every dimension already sharded"
 TOO_SMALL = "too small"
 NOT_DIVISIBLE = "not divisible"
+CUTS_BLOCKS = "a shard would cut its low-bit blocks"
 
 
 def zero_axes(shard_state_over: Any, mesh: Any) -> tuple[str, ...]:
@@ -110,9 +111,12 @@ class ZeroLeaf:
         dim: the dimension that got the axes, or ``None`` when the leaf was left as it was.
         reason: why it was left (``None`` when sharded): ``"not param-owned"``
             (counts, hyperparameters, RNG keys), ``"not floating point"``,
-            ``"already uses the axis"``, ``"every dimension already sharded"``,
-            ``"too small"`` (no dimension as large as the axes, scalars and
-            placeholders included) or ``"not divisible"``.
+            ``"already uses the axis"``, ``"every dimension already sharded"``
+            (where the axes may not join a sharded dimension's, as T5X's
+            logical axes may not), ``"too small"`` (no dimension as large as
+            the axes, scalars and placeholders included), ``"not divisible"``
+            or ``"a shard would cut its low-bit blocks"`` (4-bit codes whose
+            blocks span the rows a shard could take).
 
     Example:
         >>> from jax.sharding import PartitionSpec as P
@@ -241,12 +245,19 @@ def zero_leaf_spec(
     axes: Sequence[str],
     axis_sizes: Mapping[str, int],
     dims: Sequence[int] | None = None,
+    *,
+    combine: bool = True,
 ) -> ZeroLeafSpec:
-    """``(spec, dim, reason)``: ``spec`` with ``axes`` added on one unsharded dimension they divide.
+    """``(spec, dim, reason)``: ``spec`` with ``axes`` added on one dimension they divide.
 
     The axes already in ``spec`` are not added again; the others go together on
     the largest unsharded dimension that the product of their sizes divides (the
-    first of equal ones), among ``dims`` when given. Otherwise ``spec`` is
+    first of equal ones), among ``dims`` when given. Where no unsharded
+    dimension takes them and ``combine`` is true, they join the mesh axes of a
+    sharded dimension that the product of all their sizes divides (a row-split
+    kernel ``P("model", None)`` gets ``P(("model", "data"), None)``): each
+    device's slice of the state then lies within its slice of the param, so
+    the step reads its grads without moving them. Otherwise ``spec`` is
     returned unchanged, with why.
 
     Example:
@@ -260,6 +271,10 @@ def zero_leaf_spec(
         'not divisible'
         >>> zero_leaf_spec((16,), P("data"), ["data"], sizes) == (P("data"), None, "already uses the axis")
         True
+        >>> zero_leaf_spec((64, 6), P("model", None), ["data"], sizes) == (P(("model", "data")), 0, None)
+        True
+        >>> zero_leaf_spec((64,), P("model"), ["data"], sizes, combine=False).reason
+        'every dimension already sharded'
     """
     used = {name for entry in spec for name in axis_names_of(entry)}
     add = tuple(a for a in axes if a not in used)
@@ -268,16 +283,27 @@ def zero_leaf_spec(
     if not shape or math.prod(shape) == 0:
         return ZeroLeafSpec(spec, None, TOO_SMALL)
     padded = (*spec, *([None] * (len(shape) - len(spec))))
-    free = [d for d in range(len(shape)) if padded[d] is None and (dims is None or d in dims)]
-    if not free:
+    offered = [d for d in range(len(shape)) if dims is None or d in dims]
+    free = [d for d in offered if padded[d] is None]
+    sharded = [d for d in offered if padded[d] is not None and combine]
+    if not free and not sharded:
         return ZeroLeafSpec(spec, None, NO_FREE_DIMENSION)
     n = math.prod(axis_sizes[a] for a in add)
+    parts = {d: n * math.prod(axis_sizes.get(a, 0) for a in axis_names_of(padded[d])) for d in free + sharded}
     fits = [d for d in free if shape[d] >= n and shape[d] % n == 0]
-    if not fits:
-        return ZeroLeafSpec(spec, None, TOO_SMALL if max(shape[d] for d in free) < n else NOT_DIVISIBLE)
-    dim = max(fits, key=lambda d: (shape[d], -d))
+    if fits:
+        dim = max(fits, key=lambda d: (shape[d], -d))
+        entry: Any = add[0] if len(add) == 1 else add
+    else:
+        # The per-device slice of a sharded dimension, largest first: fewer, longer rows to gather.
+        fits = [d for d in sharded if parts[d] and shape[d] >= parts[d] and shape[d] % parts[d] == 0]
+        if not fits:
+            small = all(shape[d] < parts[d] for d in free + sharded)
+            return ZeroLeafSpec(spec, None, TOO_SMALL if small else NOT_DIVISIBLE)
+        dim = max(fits, key=lambda d: (shape[d] // parts[d], -d))
+        entry = (*axis_names_of(padded[dim]), *add)
     entries = list(padded)
-    entries[dim] = add[0] if len(add) == 1 else add
+    entries[dim] = entry
     return ZeroLeafSpec(spec_of_entries(entries), dim, None)
 
 
@@ -345,7 +371,7 @@ def _preferred_dims(
         for _, leaf, param, _ in leaves:
             if param is None or not is_self_specified(leaf) or param in out:
                 continue
-            allowed = leaf.zero_axes(param_specs[param], shards)
+            allowed = leaf.zero_axes(param_specs[param], shards, sizes)
             chosen = zero_leaf_spec(shapes[param], param_specs[param], axes, sizes, dims=allowed)
             if chosen.dim is not None:
                 out[param] = [chosen.dim]
@@ -375,9 +401,11 @@ def _self_specified(
     if param is not None and param_shape is not None:
         param_spec = param_specs[param]
         shards = math.prod(sizes[a] for a in axes)
-        allowed = leaf.zero_axes(param_spec, shards)
+        allowed = leaf.zero_axes(param_spec, shards, sizes)
         chosen = zero_leaf_spec(param_shape, param_spec, axes, sizes, dims=allowed)
         reason = chosen.reason
+        if chosen.dim is None and zero_leaf_spec(param_shape, param_spec, axes, sizes).dim is not None:
+            reason = CUTS_BLOCKS  # the plain rule finds a dimension; the codes' blocks or bytes refuse it
         if chosen.dim is not None:
             after, dim = leaf.partition_specs(chosen.spec, sizes), chosen.dim
     out = []
@@ -390,7 +418,7 @@ def _self_specified(
         where = part + jax.tree_util.keystr((*path, *child_path))
         shape, dtype = tuple(getattr(array, "shape", ())), getattr(array, "dtype", None)
         child_dim = _dim_of(zero_spec, axes) if dim is not None else None
-        why = None if child_dim is not None else (reason or NO_FREE_DIMENSION)
+        why = None if child_dim is not None else (reason or CUTS_BLOCKS)
         out.append(ZeroLeaf(where, param, shape, dtype, spec, zero_spec, child_dim, why))
     return out
 

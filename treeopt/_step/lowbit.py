@@ -52,6 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
+from treeopt._sharding.explicit import explicit_sharding
 from treeopt._step import lowbit_maps
 from treeopt._step.lowbit_format import (
     FORMAT_VERSION,
@@ -62,6 +63,7 @@ from treeopt._step.lowbit_format import (
     describe_entry,
     partition_entries,
     scales_shape,
+    uncut_spec,
     zero_axes,
 )
 
@@ -174,12 +176,16 @@ class QuantizedLeaf:
         codes, scales = partition_entries(self._shape, self.format, param_spec, axis_sizes)
         return QuantizedLeaf(codes, scales, shape=self._shape, dtype=self._dtype_name, format=self.format)
 
-    def zero_axes(self, param_spec: PartitionSpec, shards: int) -> list[int]:
+    def zero_axes(
+        self, param_spec: PartitionSpec, shards: int, axis_sizes: Mapping[str, int] | None = None
+    ) -> list[int]:
         """The axes of the parameter a ZeRO shard of ``1 / shards`` may take, keeping whole blocks and bytes.
 
-        Axes the parameter's spec already uses are not offered. An axis before
-        ``format.axis`` always keeps blocks whole; ``format.axis`` itself when
-        each shard's rows hold whole blocks; later axes never.
+        An axis the parameter's spec splits is offered only with ``axis_sizes``
+        (the mesh's), where the ZeRO shards combine with its mesh axes into
+        parts that keep whole blocks. An axis before ``format.axis`` always
+        keeps blocks whole; ``format.axis`` itself when each shard's rows hold
+        whole blocks; later axes never.
 
         Example:
             >>> import jax.numpy as jnp
@@ -188,7 +194,7 @@ class QuantizedLeaf:
             >>> q.zero_axes(P(), 2), q.zero_axes(P(), 8), q.zero_axes(P("data"), 2)
             ([0, 1], [0], [1])
         """
-        return zero_axes(self._shape, self.format, param_spec, shards)
+        return zero_axes(self._shape, self.format, param_spec, shards, axis_sizes)
 
     def tree_flatten_with_keys(self) -> tuple[tuple[tuple[Any, Any], ...], tuple[Any, ...]]:
         keys = jax.tree_util.GetAttrKey
@@ -291,7 +297,7 @@ def block_maxima(x: Any, fmt: Format) -> jax.Array:
         >>> block_maxima(jnp.array([[1.0, -3.0], [2.0, jnp.inf]]), Format(8, True, 1, 2)).tolist()
         [[3.0], [nan]]
     """
-    x = jnp.asarray(x)
+    x = _uncut(jnp.asarray(x), x.shape, fmt)
     compute = _compute_dtype(x.dtype)
     magnitude = jnp.abs(x.astype(compute))
     blocks = _blocked(magnitude, x.shape, fmt, pad=0)
@@ -343,9 +349,9 @@ def encode_with(x: Any, maxima: Any, fmt: Format) -> QuantizedLeaf:
         >>> encode_with(x, block_maxima(x, fmt), fmt).dequantize()
         Array([ 0.5, -1. ], dtype=float32)
     """
-    x = jnp.asarray(x)
+    x = _uncut(jnp.asarray(x), x.shape, fmt)
     compute = _compute_dtype(x.dtype)
-    maxima = jnp.asarray(maxima, compute)
+    maxima = _uncut(jnp.asarray(maxima, compute), x.shape, fmt)
     # 1 / maximum is denormal (flushed to 0 on CPU) above 2**126: such blocks are scaled down first.
     big = maxima > 2.0**100
     pre = jnp.where(big, np.asarray(2.0**-64, compute), np.asarray(1.0, compute))
@@ -379,9 +385,10 @@ def dequantize(q: QuantizedLeaf) -> jax.Array:
         Array([1.9073486e-06, 5.0000000e-01, 1.0000000e+00], dtype=float32)
     """
     fmt = q.format
-    codes = _unpack(q.codes, q.shape, fmt) if fmt.bits == 4 else q.codes
+    codes = _uncut(jnp.asarray(q.codes), q.shape, fmt)
+    codes = _unpack(codes, q.shape, fmt) if fmt.bits == 4 else codes
     compute = _compute_dtype(q.dtype)
-    scales = jnp.asarray(q.scales).astype(compute)
+    scales = _uncut(jnp.asarray(q.scales), q.shape, fmt).astype(compute)
     values = lowbit_maps.decode(codes, fmt.bits, fmt.signed).astype(compute) * _broadcast(
         scales, q.shape, fmt
     )
@@ -432,6 +439,32 @@ def constant(value: float, shape: Sequence[int], dtype: Any, fmt: Format) -> Qua
     codes = jnp.full(codes_shape(shape, fmt), byte, jnp.uint8)
     scales = jnp.full(scales_shape(shape, fmt), scale, _compute_dtype(dtype))
     return QuantizedLeaf(codes, scales, shape=shape, dtype=dtype, format=fmt)
+
+
+def _uncut(x: jax.Array, shape: Sequence[int], fmt: Format) -> jax.Array:
+    """``x`` (the values of an array of ``shape`` in ``fmt``, its codes or its scales) in a layout no shard cuts
+    a block of: under JAX's explicit mesh axes the reshapes into blocks are refused otherwise.
+
+    Off an explicit mesh, or where every shard holds whole blocks, ``x`` itself
+    (the compiler already moves what a reduction across shards needs). Where a
+    model shard cuts blocks (a ``(64, 512)`` kernel over ``model=4`` with
+    blocks of 256), the axes that cut them are gathered for the codec's work.
+    """
+    sharding = explicit_sharding(x)
+    if sharding is None:
+        return x
+    sizes = {str(name): int(size) for name, size in dict(sharding.mesh.shape).items()}
+    spec = uncut_spec(shape, fmt, sharding.spec, sizes)
+    if tuple(spec) == _trimmed(sharding.spec):
+        return x
+    return jax.sharding.reshard(x, jax.sharding.NamedSharding(sharding.mesh, spec))
+
+
+def _trimmed(spec: PartitionSpec) -> tuple[Any, ...]:
+    entries = list(spec)
+    while entries and entries[-1] is None:
+        entries.pop()
+    return tuple(entries)
 
 
 def _compute_dtype(dtype: Any) -> Any:

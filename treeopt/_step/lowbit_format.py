@@ -34,6 +34,7 @@ __all__ = [
     "describe_entry",
     "partition_entries",
     "scales_shape",
+    "uncut_spec",
     "zero_axes",
 ]
 
@@ -227,35 +228,76 @@ def partition_entries(
     if not shape:
         return PartitionSpec(), PartitionSpec()
     codes = entries if fmt.bits == 8 else entries[: fmt.axis]  # 4-bit bytes pair the two halves of a row
+    return spec_of_entries(codes), uncut_spec(shape, fmt, param_spec, axis_sizes)
+
+
+def uncut_spec(
+    shape: Sequence[int], fmt: Format, spec: PartitionSpec, axis_sizes: Mapping[str, int] | None
+) -> PartitionSpec:
+    """``spec`` without the entries that cut a block (or, at 4 bits, a row): the layout the codec computes in.
+
+    ``spec`` is that of an array of ``shape`` in ``fmt``, of its 8-bit codes,
+    of its 4-bit codes or of its scales (the entries of the axes before the
+    blocks are one position each in all of them). It keeps those entries, and
+    that of the axis the blocks start on where every shard holds whole blocks
+    (checked against ``axis_sizes``, the mesh axes' sizes: without them it is
+    dropped). It is the scales' spec, and under JAX's explicit mesh axes the
+    codec's reshapes into blocks are refused on any layout that cuts more.
+
+    Example:
+        >>> from jax.sharding import PartitionSpec as P
+        >>> fmt = Format(8, True, 1, 256)
+        >>> uncut_spec((64, 512), fmt, P("data", "model"), {"data": 2, "model": 2}) == P("data", "model")
+        True
+        >>> uncut_spec((64, 512), fmt, P("data", "model"), {"data": 2, "model": 4}) == P("data")
+        True
+    """
+    shape = tuple(shape)
     j = fmt.axis
+    entries = _padded(spec, max(len(shape), j + 1))
+    if not shape:
+        return PartitionSpec()
     at_blocks = entries[j] if all(e is None for e in entries[j + 1 :]) else None
     if at_blocks is not None:
         n = _shards(at_blocks, axis_sizes)
         if n is None or shape[j] % n or not _splits_whole(shape, fmt, j, n):
             at_blocks = None
-    return spec_of_entries(codes), spec_of_entries([*entries[:j], at_blocks])
+    return spec_of_entries([*entries[:j], at_blocks])
 
 
-def zero_axes(shape: Sequence[int], fmt: Format, param_spec: PartitionSpec, shards: int) -> list[int]:
+def zero_axes(
+    shape: Sequence[int],
+    fmt: Format,
+    param_spec: PartitionSpec,
+    shards: int,
+    axis_sizes: Mapping[str, int] | None = None,
+) -> list[int]:
     """The axes of an array of ``shape`` a ZeRO shard of ``1 / shards`` may take, keeping whole blocks and bytes.
 
-    Axes the parameter's spec already uses are not offered. An axis before
-    ``fmt.axis`` always keeps blocks whole; ``fmt.axis`` itself when each
-    shard's rows hold whole blocks; later axes never.
+    An axis the parameter's spec leaves whole is cut in ``shards`` parts; with
+    ``axis_sizes`` (the mesh's), an axis it splits is offered too where the
+    ZeRO shards combine with its mesh axes (``("model", "data")``) into parts
+    that keep whole blocks. An axis before ``fmt.axis`` always keeps blocks
+    whole; ``fmt.axis`` itself when each shard's rows hold whole blocks; later
+    axes never.
 
     Example:
         >>> from jax.sharding import PartitionSpec as P
         >>> fmt = Format(8, True, 1, 256)   # blocks of 256 along the last axis
         >>> zero_axes((64, 512), fmt, P(), 2), zero_axes((64, 512), fmt, P(), 8), zero_axes((64, 512), fmt, P("data"), 2)
         ([0, 1], [0], [1])
+        >>> row_split = Format(8, True, 0, 256)   # (512, 64): blocks span rows
+        >>> zero_axes((512, 64), row_split, P("model"), 2), zero_axes((512, 64), row_split, P("model"), 2, {"model": 4})
+        ([], [0])
     """
     shape = tuple(shape)
     entries = _padded(param_spec, len(shape))
-    return [
-        a
-        for a in range(len(shape))
-        if entries[a] is None and shape[a] % shards == 0 and _splits_whole(shape, fmt, a, shards)
-    ]
+    out = []
+    for a in range(len(shape)):
+        parts = shards * (_shards(entries[a], axis_sizes) or 0) if entries[a] is not None else shards
+        if parts and shape[a] % parts == 0 and _splits_whole(shape, fmt, a, parts):
+            out.append(a)
+    return out
 
 
 def _splits_whole(shape: tuple[int, ...], fmt: Format, axis: int, shards: int) -> bool:

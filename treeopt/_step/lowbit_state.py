@@ -43,7 +43,7 @@ import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 
-from treeopt._sharding.explicit import explicit_sharding
+from treeopt._sharding.explicit import explicit_sharding, resharded_like
 from treeopt._step.lowbit import (
     Format,
     QuantizedLeaf,
@@ -375,7 +375,17 @@ def encoded_after_step(
         name = next((k.key for k in reversed(path) if isinstance(k, jax.tree_util.DictKey)), None)
         if outputs is not None and name is not None and name in outputs and old.format.bits == 8:
             maxima = _after(maxima, outputs[name])
-        out.append(encode_with(x, maxima, old.format))
+        new = encode_with(x, maxima, old.format)
+        # The codec computes where no shard cuts a block; the codes go back to the layout they had.
+        out.append(
+            QuantizedLeaf(
+                resharded_like(new.codes, old.codes),
+                resharded_like(new.scales, old.scales),
+                shape=new.shape,
+                dtype=new.dtype,
+                format=new.format,
+            )
+        )
     return treedef.unflatten(out)
 
 

@@ -120,7 +120,9 @@ def shard_state_axes(
         shape = tuple(np.shape(leaf))
         mesh_spec = flax_partitioning.logical_to_mesh_axes(_padded(logical, len(shape)), rules)
         mesh_spec = mesh_spec if mesh_spec is not None else PartitionSpec()
-        new_mesh_spec, dim, reason = zero_leaf_spec(shape, mesh_spec, mesh_axes, sizes)
+        # A logical spec names one axis a dimension (flax's rules pass a pair through unresolved):
+        # the data axis may not join a sharded dimension's here.
+        new_mesh_spec, dim, reason = zero_leaf_spec(shape, mesh_spec, mesh_axes, sizes, combine=False)
         name = jax.tree_util.keystr(path)
         if dim is None:
             kept.append(f"{name} {shape}: {reason}")
