@@ -7,8 +7,8 @@ the optimizer's state in another shape uses these to share the core's work
 rather than repeat it: the state-dict engine and its policies, the checksum,
 the checked conversion of hyperparameter values and their reading as
 attributes, the refusal of a negative step, the names of key paths,
-the spec derivation that ZeRO-1 builds on, and the check of a spec tree
-against the params.
+the spec derivation that ZeRO-1 builds on, the check of a spec tree
+against the params, and the placement of new params on their old shardings.
 
 Example:
     >>> import jax.numpy as jnp
@@ -20,6 +20,7 @@ Example:
     (Array([1., 1.], dtype=float32), True)
 """
 
+from treeopt._sharding.explicit import placed_like, placements
 from treeopt._sharding.specs import (
     derive_spec,
     flat_param_specs,
@@ -51,6 +52,8 @@ __all__ = [
     "load",
     "path_to_name",
     "per_dimension_axes",
+    "placed_like",
+    "placements",
     "refuse_a_negative_step",
     "spec_leaves_with_names",
     "with_checksum",

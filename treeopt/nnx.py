@@ -42,14 +42,14 @@ import optax
 from flax import nnx
 
 import treeopt
-from treeopt.internal import hyperparameter_attribute
+from treeopt.internal import hyperparameter_attribute, placed_like, placements
 from treeopt.typing import OptState, ParamSpecs, StateDict, Updates
 
 __all__ = ["ModelAndOptimizer", "Optimizer"]
 
 M = TypeVar("M")
 
-_OWN = frozenset({"treeopt", "tx", "wrt", "graph", "model"})
+_OWN = frozenset({"treeopt", "tx", "wrt", "graph", "model", "placements"})
 # One compiled program eagerly, not an op per leaf; inside a jit it is inlined (the same arithmetic).
 _apply_updates = jax.jit(optax.apply_updates)
 
@@ -104,6 +104,9 @@ class Optimizer(nnx.Pytree, Generic[M]):
         self.tx = tx
         self.wrt = wrt
         self.graph = graph
+        # Where the trained variables live: under auto mesh axes a traced update cannot read it, and the
+        # new values would take the layout of the (ZeRO-split) state instead.
+        self.placements = placements(params)
         self.treeopt = HeldOptimizer(treeopt.Optimizer(tx, **kwargs).init(params))
 
     # -- what nnx.Optimizer has ------------------------------------------------------
@@ -177,7 +180,7 @@ class Optimizer(nnx.Pytree, Generic[M]):
         grads = _as_pure(_state(grads, self.wrt, graph=self.graph))
         core = self._core()
         updates = core.update(grads, params, apply_updates=False, **_as_pure(kwargs))
-        nnx.update(model, _apply_updates(params, updates))
+        nnx.update(model, placed_like(_apply_updates(params, updates), params, self.placements))
         _set_value(self.treeopt, core)
         return updates
 

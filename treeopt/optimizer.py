@@ -356,7 +356,7 @@ class Optimizer:
             object.__setattr__(self, "master", result.master)
         if result.rounding is not None:
             object.__setattr__(self, "rounding", result.rounding)
-        return inputs.rebuild(like_inputs(result.output, inputs.params if apply_updates else None))
+        return inputs.rebuild(like_inputs(result.output, inputs.params if apply_updates else inputs.grads))
 
     def _step_on(self, inputs: FlatInputs, apply_updates: bool, params_given: bool) -> FlatStep:
         """``flat_step`` on checked inputs; a donated optimizer is named only once JAX refused it."""

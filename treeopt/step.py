@@ -21,6 +21,7 @@ import optax
 
 from treeopt._step.lowbit_state import decoded, encoded_after_step, has_quantized
 from treeopt._step.precision import held_as, narrower, precision_step
+from treeopt._sharding.explicit import in_state_layout
 from treeopt._step.step_io import FlatStep, StepInputs, strong
 from treeopt._update.trace_guard import is_tracer
 from treeopt.typing import Params
@@ -86,6 +87,8 @@ def _traced(inputs: StepInputs, extra_args: Mapping[str, Any] | None = None) -> 
     evaluation serves.
     """
     extra = inputs.extra_args() if extra_args is None else extra_args
+    grads, params = in_state_layout(inputs.grads, inputs.params, inputs.opt_state, inputs.held)
+    inputs = dataclasses.replace(inputs, grads=grads, params=params)
     held = inputs.opt_state
     if not has_quantized(held):
         return precision_step(inputs, extra)

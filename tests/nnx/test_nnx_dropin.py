@@ -515,6 +515,57 @@ def test_partition_specs_from_the_models_specs_and_zero_over_data():
     assert optimizer.opt_state[0].mu["kernel"].sharding.spec == P("data", "model")
 
 
+class ShardedMLP(nnx.Module):
+    """A kernel split by columns and one by rows over "model", and a replicated one; valid on explicit axes."""
+
+    def __init__(self, dtype):
+        def init(*sharding):
+            return nnx.with_partitioning(nnx.initializers.lecun_normal(), sharding=sharding)
+
+        rngs = nnx.Rngs(0)
+        self.up = nnx.Linear(16, 64, kernel_init=init(None, "model"), use_bias=False, param_dtype=dtype, rngs=rngs)
+        self.down = nnx.Param(init("model", None)(rngs.params(), (64, 64), dtype))
+        self.head = nnx.Linear(64, 8, param_dtype=dtype, rngs=rngs)
+
+    def __call__(self, x):
+        h = jnp.tanh(self.up(x.astype(self.up.kernel.dtype)))
+        h = jnp.sum(h[:, :, None] * self.down[...][None], axis=1)  # a reduction: no out_sharding needed
+        return self.head(h)
+
+
+@pytest.mark.parametrize("axis_type", ["auto", "explicit"])
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"state_bits": 8, "param_rounding": "kahan"}],
+    ids=["float32", "bf16-8bit-kahan"],
+)
+def test_zero_state_leaves_the_params_where_they_were(axis_type, options):
+    kind = {"auto": jax.sharding.AxisType.Auto, "explicit": jax.sharding.AxisType.Explicit}[axis_type]
+    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(kind, kind))
+    with jax.set_mesh(mesh):
+        model = ShardedMLP(jnp.bfloat16 if options else jnp.float32)
+        optimizer = treeopt.nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param, **options)
+        zero = optimizer.partition_specs(
+            nnx.get_partition_spec(nnx.state(model, nnx.Param)), shard_state_over="data", mesh=mesh
+        )
+        set_core(optimizer, jax.device_put(core_of(optimizer), treeopt.partitioning.named_shardings(zero, mesh)))
+        before = {path: v[...].sharding for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+        assert before[("down",)].spec == P("model", None)
+
+        @nnx.jit
+        def train_step(model, optimizer, x):
+            grads = nnx.grad(lambda m: jnp.mean(m(x).astype(jnp.float32) ** 2))(model)
+            optimizer.update(model, grads)
+
+        x = jax.device_put(jnp.ones((8, 16)), jax.sharding.NamedSharding(mesh, P("data")))
+        for _ in range(2):  # under explicit axes the second step's matmuls meet the first's new params
+            train_step(model, optimizer, x)
+    assert int(optimizer.step[...]) == 2
+    for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        assert v[...].sharding.is_equivalent_to(before[path], v[...].ndim), (path, v[...].sharding, before[path])
+    assert "data" in str(optimizer.opt_state[0].mu["up/kernel"].sharding.spec)  # the state stays ZeRO's
+
+
 def test_options_of_the_treeopt_optimizer_pass_through():
     """Keyword arguments beyond nnx's go to treeopt.Optimizer, which rejects the ones it lacks."""
     with pytest.raises(TypeError, match="unexpected keyword argument 'no_such_option'"):

@@ -1,12 +1,16 @@
-"""JAX's explicit sharding mode: the new params take the sharding the given ones came in with.
+"""JAX's explicit sharding mode: a step computes in the state's layout and returns values in the inputs'.
 
 Under explicit mesh axes a value's sharding is part of its type, and the
 arithmetic of a step propagates the state's shardings into the new params
 (ZeRO-1's data axis in particular). A model that was written for its params'
 own shardings then fails at the next step with ``ShardingTypeError``, so
 :func:`like_inputs` reshards each new value to the type of the value it
-replaces. Under auto axes (or off a mesh) nothing is changed: there the
-compiler already gathers the new values back to the params' shardings.
+replaces. Inside the step, :func:`in_state_layout` first brings each grad and
+param to the layout of its state (a ZeRO shard within a model shard,
+``P(("model", "data"))``, meets a grad of ``P("model")`` there: the slice is
+local). Under auto axes a traced value's sharding is not known: there the
+shardings ``jax.jit`` is given decide; a concrete value (an update run
+eagerly) is placed back on its input's sharding whatever the axis types.
 """
 
 from __future__ import annotations
@@ -55,12 +59,29 @@ def resharded_like(x: Any, target: Any) -> Any:
     return _like(x, explicit_sharding(target))
 
 
+def _placed_like(new: Any, old: Any) -> Any:
+    """A concrete ``new`` on the sharding of a concrete ``old`` (on a mesh of several devices), else ``None``."""
+    sharding = getattr(old, "sharding", None)
+    if (
+        isinstance(old, jax.core.Tracer)
+        or isinstance(new, jax.core.Tracer)
+        or not isinstance(new, jax.Array)
+        or not isinstance(sharding, jax.sharding.NamedSharding)
+        or sharding.mesh.size < 2
+        or new.sharding.is_equivalent_to(sharding, new.ndim)
+    ):
+        return None
+    return jax.device_put(new, sharding)
+
+
 def like_inputs(new: Any, old: Any) -> Any:
-    """``new`` with each leaf resharded to the explicit sharding of the leaf of ``old`` it replaces.
+    """``new`` with each leaf resharded to the sharding of the leaf of ``old`` it replaces.
 
     ``new`` and ``old`` have the same structure (``{name: param}``, or a
-    ``LookaheadParams`` of them); leaves off an explicit mesh are returned as
-    they are, and ``new`` itself when no leaf of ``old`` is on one.
+    ``LookaheadParams`` of them). Under explicit axes each leaf takes its
+    input's type; a concrete leaf (an eager update) is placed on its input's
+    sharding on any mesh; other leaves are returned as they are, and ``new``
+    itself when no leaf of ``old`` is on a mesh.
 
     Example:
         >>> import jax.numpy as jnp
@@ -69,10 +90,102 @@ def like_inputs(new: Any, old: Any) -> Any:
     """
     if old is None:
         return new
-    targets = [explicit_sharding(leaf) for leaf in jax.tree.leaves(old)]
-    if not any(target is not None for target in targets):
+    old_leaves = jax.tree.leaves(old)
+    targets = [explicit_sharding(leaf) for leaf in old_leaves]
+    concrete = any(isinstance(getattr(leaf, "sharding", None), jax.sharding.NamedSharding) for leaf in old_leaves)
+    if not concrete and not any(target is not None for target in targets):
         return new
     leaves, treedef = jax.tree.flatten(new)
-    return jax.tree.unflatten(
-        treedef, [_like(leaf, target) for leaf, target in zip(leaves, targets, strict=True)]
-    )
+    out = []
+    for leaf, before, target in zip(leaves, old_leaves, targets, strict=True):
+        placed = _placed_like(leaf, before)
+        out.append(placed if placed is not None else _like(leaf, target))
+    return jax.tree.unflatten(treedef, out)
+
+
+def placements(tree: Any) -> tuple[Any, ...]:
+    """The ``NamedSharding`` of each concrete leaf of ``tree`` on a mesh of several devices, else ``None``.
+
+    What a layer that holds its params across traced steps (the nnx drop-in)
+    keeps, to place the new values under auto axes, where a traced value's
+    sharding is not known.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> placements({"w": jnp.ones(2)})   # one device: nothing to keep
+        (None,)
+    """
+    out = []
+    for leaf in jax.tree.leaves(tree):
+        sharding = getattr(leaf, "sharding", None)
+        keep = isinstance(sharding, jax.sharding.NamedSharding) and sharding.mesh.size > 1
+        out.append(sharding if keep and not isinstance(leaf, jax.core.Tracer) else None)
+    return tuple(out)
+
+
+def placed_like(new: Any, old: Any, kept: tuple[Any, ...] | None = None) -> Any:
+    """``new`` with each leaf on the sharding of the leaf of ``old`` it replaces, also under auto axes.
+
+    As :func:`like_inputs`, and a traced leaf off an explicit mesh is
+    constrained to its entry of ``kept`` (from :func:`placements` of the
+    values ``old`` stands for, taken while they were concrete).
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> placed_like({"w": jnp.zeros(2)}, {"w": jnp.ones(2)}, (None,))
+        {'w': Array([0., 0.], dtype=float32)}
+    """
+    new = like_inputs(new, old)
+    leaves, treedef = jax.tree.flatten(new)
+    if kept is None or len(kept) != len(leaves):
+        return new
+    out = [
+        jax.lax.with_sharding_constraint(leaf, sharding)
+        if sharding is not None and isinstance(leaf, jax.core.Tracer) and explicit_sharding(leaf) is None
+        else leaf
+        for leaf, sharding in zip(leaves, kept, strict=True)
+    ]
+    return jax.tree.unflatten(treedef, out)
+
+
+def in_state_layout(grads: Any, params: Any, *states: Any) -> tuple[Any, Any]:
+    """``(grads, params)`` with each leaf resharded, under explicit axes, to the layout of its state.
+
+    A leaf's state is the first leaf of ``states`` (the optax state, the
+    precision's) whose key path holds the leaf's key path (as the optax state
+    of ``{name: param}`` holds ``DictKey(name)``), possibly followed by
+    ``.codes`` (8-bit codes take their param's layout), with the leaf's shape
+    and an explicit sharding. ZeRO-1 gives every state leaf shaped like a
+    param one layout, so the step's arithmetic then never meets two layouts
+    on one dimension. Leaves with no such state, and everything off an
+    explicit mesh, are returned as they are.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> grads, params = in_state_layout({"w": jnp.ones(2)}, None, {"mu": {"w": jnp.zeros(2)}})
+        >>> grads["w"].tolist(), params
+        ([1.0, 1.0], None)
+    """
+    flat, treedef = jax.tree_util.tree_flatten_with_path(grads)
+    if not flat or not any(explicit_sharding(leaf) is not None for _, leaf in flat):
+        return grads, params
+    wanted = {tuple(path): i for i, (path, _) in enumerate(flat)}
+    lengths = sorted({len(path) for path in wanted})
+    layouts: dict[int, Any] = {}
+    for state in states:
+        for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+            path = tuple(path)
+            if path and path[-1] == jax.tree_util.GetAttrKey("codes"):
+                path = path[:-1]
+            for n in lengths:
+                i = wanted.get(path[len(path) - n :]) if len(path) >= n else None
+                if i is not None and i not in layouts and tuple(getattr(leaf, "shape", ())) == flat[i][1].shape:
+                    sharding = explicit_sharding(leaf)
+                    if sharding is not None:
+                        layouts[i] = sharding
+    if not layouts:
+        return grads, params
+    new_grads = [_like(leaf, layouts.get(i)) for i, (_, leaf) in enumerate(flat)]
+    if params is not None and jax.tree.structure(params) == treedef:
+        params = treedef.unflatten([_like(leaf, layouts.get(i)) for i, leaf in enumerate(jax.tree.leaves(params))])
+    return treedef.unflatten(new_grads), params
