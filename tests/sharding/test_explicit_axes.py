@@ -140,3 +140,51 @@ def test_checkpoint_round_trip_and_resume(axis_type, tmp_path):
     assert int(resumed.step) == STEPS + 1
     if AXIS_TYPES[axis_type] == AxisType.Explicit:
         assert_shardings(new_params, named_shardings(SPECS, mesh))
+
+
+def test_updates_come_back_in_the_grads_layout_and_apply_to_the_params():
+    mesh = make_mesh(AxisType.Explicit)
+    params = make_params(mesh)
+    opt = init_sharded(treeopt.Optimizer(optax.adam(1e-2)), params, mesh, SPECS, shard_state_over="data")
+    with jax.set_mesh(mesh):
+        grads = jax.grad(loss_fn)(params, *batch(mesh, 0))
+        updates = jax.jit(lambda g, p, o: o.update(g, p, apply_updates=False))(grads, params, opt)
+        new = jax.jit(optax.apply_updates)(params, updates)  # would meet ZeRO's layout on "w2"'s rows
+    assert_shardings(updates, named_shardings(SPECS, mesh))
+    assert_shardings(new, named_shardings(SPECS, mesh))
+
+
+def test_a_row_split_kernel_under_zero_steps_as_unsharded():
+    """(32, 6) split by rows over "model": "data" divides no free dimension and joins "model" on the rows.
+
+    The grads (P("model")) meet the state (P(("model", "data"))) in the state's layout.
+    """
+    mesh = make_mesh(AxisType.Explicit)
+    specs = {"w": P("model", None)}
+    w = jax.random.normal(jax.random.key(3), (32, 6))
+    opt = init_sharded(
+        treeopt.Optimizer(optax.adam(1e-2)), jax.device_put({"w": w}, named_shardings(specs, mesh)), mesh, specs,
+        shard_state_over="data",
+    )  # fmt: skip
+    assert opt.opt_state[0].mu["w"].sharding.is_equivalent_to(NamedSharding(mesh, P(("model", "data"))), 2)
+    plain = treeopt.Optimizer(optax.adam(1e-2)).init({"w": w})
+    step = jax.jit(lambda p, o, g: (o.update(g, p), o))
+    sharded_params, params = jax.device_put({"w": w}, named_shardings(specs, mesh)), {"w": w}
+    for i in range(3):
+        grads = {"w": jnp.cos(w * (i + 1))}
+        params, plain = step(params, plain, grads)
+        with jax.set_mesh(mesh):
+            sharded_params, opt = step(sharded_params, opt, jax.device_put(grads, named_shardings(specs, mesh)))
+    np.testing.assert_allclose(np.asarray(sharded_params["w"]), np.asarray(params["w"]), rtol=1e-6, atol=1e-7)
+    assert_shardings(sharded_params, named_shardings(specs, mesh))
+    assert opt.opt_state[0].nu["w"].sharding.is_equivalent_to(NamedSharding(mesh, P(("model", "data"))), 2)
+
+
+def test_an_eager_update_on_auto_axes_puts_the_params_back_on_their_shardings():
+    mesh = make_mesh(AxisType.Auto)
+    params = make_params(mesh)
+    opt = init_sharded(treeopt.Optimizer(optax.adam(1e-2)), params, mesh, SPECS, shard_state_over="data")
+    grads = jax.jit(jax.grad(loss_fn))(params, *batch(mesh, 0))
+    new = opt.update(grads, params)
+    assert_shardings(new, named_shardings(SPECS, mesh))  # not ZeRO's data axis
+    assert "data" in opt.opt_state[0].mu["w1"].sharding.spec

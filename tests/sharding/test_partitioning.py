@@ -630,3 +630,15 @@ def test_partition_specs_checks_the_specs_axes_against_the_mesh_naming_the_param
     assert opt.partition_specs(specs).opt_state[0].mu["dense/kernel"] == P(None, "tensor")  # no mesh: not checked
     with pytest.raises(ValueError, match=r"PartitionSpec of parameter 'dense/kernel'.*\['tensor'\].*'data', 'model'"):
         opt.partition_specs(specs, mesh=make_mesh())
+
+
+def test_none_for_param_specs_is_named_with_where_to_read_them():
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "model"))
+    opt = jax.eval_shape(treeopt.Optimizer(optax.adam(1e-3)).init, {"w": jnp.ones((8, 8))})
+    for call in (
+        lambda: optimizer_shardings(opt, None, mesh, shard_state_over="data"),
+        lambda: treeopt.partitioning.zero_report(opt, None, mesh),
+        lambda: opt.partition_specs(None),
+    ):
+        with pytest.raises(TypeError, match=r"param_specs is None: expected a tree of PartitionSpecs.*param_specs_of"):
+            call()
