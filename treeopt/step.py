@@ -19,9 +19,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from treeopt._sharding.explicit import in_state_layout
 from treeopt._step.lowbit_state import decoded, encoded_after_step, has_quantized
 from treeopt._step.precision import held_as, narrower, precision_step
-from treeopt._sharding.explicit import in_state_layout
 from treeopt._step.step_io import FlatStep, StepInputs, strong
 from treeopt._update.trace_guard import is_tracer
 from treeopt.typing import Params

@@ -214,7 +214,7 @@ def test_warm_start_from_live_zero_low_bit_state_is_the_same_on_both_axis_types(
         )
         grads = jax.device_put({"w": jnp.full((64, 64), 0.3), "v": jnp.linspace(-1, 1, 8192)}, shardings)
         with jax.set_mesh(mesh):
-            _, source = _steps(source, params, lambda i: grads, 2)
+            _, source = _steps(source, params, lambda i, g=grads: g, 2)
         target = treeopt.partitioning.init_sharded(
             treeopt.Optimizer(optax.adam(1e-2), state_bits=4), params, mesh, specs, shard_state_over="data"
         )

@@ -22,7 +22,7 @@ import optax
 from flax import struct
 
 from treeopt.hyperparams import get_hyperparams, set_hyperparams
-from treeopt.internal import checked_value
+from treeopt.internal import checked_value, placed_like
 from treeopt.step import flat_step
 from treeopt.t5x import _partition_rules, _state
 from treeopt.t5x._base import Optimizer, OptimizerDef, OptimizerState, check_grads
@@ -232,7 +232,8 @@ class OptaxWrapper(OptimizerDef):
         check_grads(params, grads, per_example=True)
         out = flat_step(tx, state.step, opt_state, grads, params)
         new_state = out.opt_state[1] if wrapped else out.opt_state
-        return out.output, OptimizerState(step=out.step, param_states=new_state)
+        # The target keeps its layout (under explicit axes a ZeRO-split state would pass its own on).
+        return placed_like(out.output, params), OptimizerState(step=out.step, param_states=new_state)
 
     def _learning_rate_transformation(self) -> optax.GradientTransformation:
         # One object per wrapper: flat_step compiles once per transformation object.
