@@ -166,7 +166,8 @@ def in_state_layout(grads: Any, params: Any, *states: Any) -> tuple[Any, Any]:
         >>> grads["w"].tolist(), params
         ([1.0, 1.0], None)
     """
-    flat, treedef = jax.tree_util.tree_flatten_with_path(grads)
+    flat, treedef_ = jax.tree_util.tree_flatten_with_path(grads)
+    treedef: Any = treedef_
     if not flat or not any(explicit_sharding(leaf) is not None for _, leaf in flat):
         return grads, params
     wanted = {tuple(path): i for i, (path, _) in enumerate(flat)}
