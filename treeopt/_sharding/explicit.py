@@ -92,7 +92,9 @@ def like_inputs(new: Any, old: Any) -> Any:
         return new
     old_leaves = jax.tree.leaves(old)
     targets = [explicit_sharding(leaf) for leaf in old_leaves]
-    concrete = any(isinstance(getattr(leaf, "sharding", None), jax.sharding.NamedSharding) for leaf in old_leaves)
+    concrete = any(
+        isinstance(getattr(leaf, "sharding", None), jax.sharding.NamedSharding) for leaf in old_leaves
+    )
     if not concrete and not any(target is not None for target in targets):
         return new
     leaves, treedef = jax.tree.flatten(new)
@@ -180,7 +182,11 @@ def in_state_layout(grads: Any, params: Any, *states: Any) -> tuple[Any, Any]:
                 path = path[:-1]
             for n in lengths:
                 i = wanted.get(path[len(path) - n :]) if len(path) >= n else None
-                if i is not None and i not in layouts and tuple(getattr(leaf, "shape", ())) == flat[i][1].shape:
+                if (
+                    i is not None
+                    and i not in layouts
+                    and tuple(getattr(leaf, "shape", ())) == flat[i][1].shape
+                ):
                     sharding = explicit_sharding(leaf)
                     if sharding is not None:
                         layouts[i] = sharding
@@ -188,5 +194,7 @@ def in_state_layout(grads: Any, params: Any, *states: Any) -> tuple[Any, Any]:
         return grads, params
     new_grads = [_like(leaf, layouts.get(i)) for i, (_, leaf) in enumerate(flat)]
     if params is not None and jax.tree.structure(params) == treedef:
-        params = treedef.unflatten([_like(leaf, layouts.get(i)) for i, leaf in enumerate(jax.tree.leaves(params))])
+        params = treedef.unflatten(
+            [_like(leaf, layouts.get(i)) for i, leaf in enumerate(jax.tree.leaves(params))]
+        )
     return treedef.unflatten(new_grads), params

@@ -45,6 +45,7 @@ import numpy as np
 import optax
 
 from treeopt._sharding.explicit import resharded_like
+from treeopt._sharding.ownership import owned_update
 from treeopt._step.rounding import stochastic_round
 from treeopt._step.step_io import FlatStep, StepInputs
 from treeopt._step.step_rule import next_step
@@ -479,7 +480,7 @@ def precision_step(inputs: StepInputs, extra: Mapping[str, Any]) -> FlatStep:
     """
     precision, params = inputs.precision or AS_IS, inputs.params
     if precision.part is None:
-        updates, new_state = inputs.tx.update(inputs.grads, inputs.opt_state, params, **extra)
+        updates, new_state = owned_update(inputs.tx, inputs.grads, inputs.opt_state, params, extra)
         output = optax.apply_updates(params, updates) if inputs.apply_updates else updates
         return FlatStep(next_step(inputs.step), new_state, output)
     wide = precision.widened(inputs.held, params)
@@ -490,7 +491,7 @@ def precision_step(inputs: StepInputs, extra: Mapping[str, Any]) -> FlatStep:
         seen = {k: wide[k] if k in wide else p for k, p in params.items()}
     else:  # tx reads the wide values, if every trained param has one
         seen = {k: wide[k] for k in inputs.grads} if set(inputs.grads) <= set(wide) else None
-    updates, new_state = inputs.tx.update(grads, inputs.opt_state, seen, **extra)
+    updates, new_state = owned_update(inputs.tx, grads, inputs.opt_state, seen, extra)
     new, held = precision.written(wide, updates, dtypes, inputs.held)
     out = {}
     for k in inputs.grads:

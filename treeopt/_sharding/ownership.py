@@ -1,0 +1,282 @@
+"""Whole-leaf ownership: on a mesh, each matrix of a whole-leaf computation is computed by one owner device.
+
+A whole-leaf computation (:mod:`treeopt._sharding.whole_leaf`: Muon's
+Newton-Schulz orthogonalization) on a leaf that ZeRO-1 split over the data
+axis makes the compiler move slices at every iteration of its loop, and on
+replicated state every device repeats all of it. Here every matrix (each
+slice of a stacked ``(layers, m, n)`` leaf is one) gets one owner among the
+mesh's devices, chosen by cost (:func:`plan`: longest processing time first
+on ``max(m, n) * min(m, n) ** 2``), and :func:`owned_update` runs the
+transformation's update so that:
+
+1. a first, discarded evaluation of ``tx.update`` collects the whole-leaf
+   calls and their arguments (the momenta);
+2. the matrices of equal shape are stacked owner by owner (a device's
+   matrices, then zeros up to the bucket's most loaded device) and the stack
+   is laid out over all mesh devices: one exchange brings each matrix to its
+   owner (nothing moves for a stacked leaf already split along its layers);
+3. each owner orthogonalizes its matrices, with no collective inside;
+4. the results go back (under explicit axes to the leaf's own layout, under
+   auto axes to every device), and the evaluation of ``tx.update`` that
+   counts takes them as the calls' results.
+
+The state itself keeps its ZeRO layout (a stacked leaf's layers are split
+over the data axis, so there each owner holds its matrices whole), so state
+dicts, checkpoints and restores onto another mesh are those of any ZeRO
+state. Off a mesh of several devices ``tx.update`` runs as it is.
+
+Example:
+    >>> plan([(1.0, 3), (8.0, 1)], devices=2)   # the dear matrix on device 0, the cheap ones mostly beside it
+    [[1, 2], [1, 0]]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+from treeopt._sharding.whole_leaf import Call, intercepted
+
+__all__ = ["Bucket", "owned_update", "owners", "plan"]
+
+
+def plan(buckets: Sequence[tuple[float, int]], devices: int) -> list[list[int]]:
+    """How many matrices of each bucket each device owns: ``[[count of device d for d] per bucket]``.
+
+    ``buckets`` are ``(cost of one matrix, number of matrices)``. A bucket's
+    matrices are stacked, ``ceil(k / devices)`` to a device, so no device may
+    own more than that of one bucket; within that, the matrices go one by one
+    to the device that has the least work so far, dearest buckets first.
+
+    Example:
+        >>> plan([(1.0, 8)], devices=4), plan([(1.0, 5)], devices=4)
+        ([[2, 2, 2, 2]], [[2, 1, 1, 1]])
+    """
+    loads = [0.0] * devices
+    out: list[list[int]] = [[0] * devices for _ in buckets]
+    for b in sorted(range(len(buckets)), key=lambda b: -buckets[b][0]):
+        cost, count = buckets[b]
+        cap = -(-count // devices)
+        for _ in range(count):
+            d = min((d for d in range(devices) if out[b][d] < cap), key=lambda d: (loads[d], d))
+            out[b][d] += 1
+            loads[d] += cost
+    return out
+
+
+@dataclasses.dataclass
+class Bucket:
+    """Calls whose matrices stack: the same function and arguments, matrix shape and dtype."""
+
+    calls: list[tuple[int, Call]]
+    """``(position among the calls, call)``."""
+    shape: tuple[int, int]
+    cost: float
+
+    @property
+    def count(self) -> int:
+        """The number of matrices."""
+        return sum(call.matrix_shape()[0] for _, call in self.calls)
+
+
+def buckets_of(calls: Sequence[Call]) -> list[Bucket]:
+    """The calls grouped into buckets, in the order of their first call.
+
+    A stacked leaf (several matrices) is a bucket of its own: its layers stay
+    together, and where ZeRO split them over the data axis, in place.
+    """
+    out: dict[Any, Bucket] = {}
+    for i, call in enumerate(calls):
+        k, m, n = call.matrix_shape()
+        key = (call.key(), m, n, str(call.leaf.dtype)) if k == 1 else ("stacked", i)
+        if key not in out:
+            out[key] = Bucket([], (m, n), call.entry.cost(m, n))
+        out[key].calls.append((i, call))
+    return list(out.values())
+
+
+def owners(calls: Sequence[Call], devices: int) -> list[list[int]]:
+    """The owner device of each matrix of each call, in the calls' order: what :func:`owned_results` computes.
+
+    Example:
+        >>> import jax.numpy as jnp, optax
+        >>> from treeopt._sharding.whole_leaf import intercepted
+        >>> found = []
+        >>> tx = optax.contrib.muon(1e-2)
+        >>> params = {"a": jnp.ones((4, 4)), "b": jnp.ones((4, 4)), "c": jnp.ones((8, 8))}
+        >>> with intercepted(lambda call: found.append(call) or call.leaf):
+        ...     _ = tx.update(params, tx.init(params), params)
+        >>> owners(found, devices=2)   # a (4, 4) on each device (they stack, one a device), the (8, 8) on 0
+        [[0], [1], [0]]
+    """
+    buckets = buckets_of(calls)
+    counts = plan([(b.cost, b.count) for b in buckets], devices)
+    out: list[list[int]] = [[] for _ in calls]
+    for bucket, per_device in zip(buckets, counts, strict=True):
+        slots = [d for d, count in enumerate(per_device) for _ in range(count)]
+        taken = 0
+        for i, call in bucket.calls:
+            k = call.matrix_shape()[0]
+            out[i] = slots[taken : taken + k]
+            taken += k
+    return out
+
+
+def mesh_of(tree: Any) -> Any:
+    """The mesh the leaves of ``tree`` are traced on, when it has more than one device; else ``None``."""
+    for leaf in jax.tree.leaves(tree):
+        try:
+            sharding = getattr(jax.typeof(leaf), "sharding", None)
+        except TypeError:
+            continue
+        mesh = getattr(sharding, "mesh", None)
+        if mesh is not None and not getattr(mesh, "empty", True) and math.prod(mesh.shape.values()) > 1:
+            return mesh
+    return None
+
+
+def _explicit(mesh: Any) -> bool:
+    return any(t == AxisType.Explicit for t in mesh.axis_types)
+
+
+def _spec_of(x: Any) -> tuple[Any, ...]:
+    spec = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None)
+    return tuple(spec) if spec is not None else ()
+
+
+def _place(x: Any, mesh: Any, spec: Sequence[Any], explicit: bool) -> Any:
+    sharding = NamedSharding(mesh, PartitionSpec(*spec))
+    if explicit:
+        return jax.sharding.reshard(x, sharding)
+    return jax.lax.with_sharding_constraint(x, sharding)
+
+
+def owned_results(calls: Sequence[Call], mesh: Any) -> list[Any]:
+    """The results of ``calls``, each matrix computed by its owner (see the module doc)."""
+    devices = math.prod(mesh.shape.values())
+    explicit = _explicit(mesh)
+    owner_axes = tuple(mesh.axis_names)
+    results: list[Any] = [None] * len(calls)
+    assigned = owners(calls, devices)
+    for bucket in buckets_of(calls):
+        m, n = bucket.shape
+        first = bucket.calls[0][1]
+        layout = _spec_of(first.matrices()) if explicit else ()
+        # Each device's matrices, then zeros up to the most loaded device's count: stacked, a device's
+        # run of the stack is its own.
+        per_device: list[list[tuple[int, int]]] = [[] for _ in range(devices)]
+        for i, _ in bucket.calls:
+            for j, d in enumerate(assigned[i]):
+                per_device[d].append((i, j))
+        cap = max(len(mine) for mine in per_device)
+        matrices = {i: call.matrices() for i, call in bucket.calls}
+        if explicit:  # one layout to stack in: the first call's (under auto axes the compiler chooses)
+            matrices = {
+                i: _place(x, mesh, layout, True) if _spec_of(x) != layout else x for i, x in matrices.items()
+            }
+        in_order = [(i, j) for mine in per_device for i, j in mine]
+        if len(bucket.calls) == 1 and cap * devices == len(in_order) and in_order == sorted(in_order):
+            stack = matrices[
+                in_order[0][0]
+            ]  # a stacked leaf in its own order: split along its layers as it is
+        else:
+            pieces = []
+            for mine in per_device:
+                pieces += [jax.lax.slice_in_dim(matrices[i], j, j + 1, axis=0) for i, j in mine]
+                if len(mine) < cap:
+                    zeros = jnp.zeros((cap - len(mine), m, n), matrices[bucket.calls[0][0]].dtype)
+                    pieces.append(_place(zeros, mesh, layout, True) if explicit else zeros)
+            stack = jnp.concatenate(pieces, axis=0) if len(pieces) > 1 else pieces[0]
+        out = first.on_matrices(_place(stack, mesh, (owner_axes,), explicit))
+        # Back: to the leaves' own layout under explicit axes; to every device under auto axes.
+        out = _place(out, mesh, (None, *layout[1:]) if explicit else (), explicit)
+        position = {slot: p for p, slot in enumerate(in_order)}
+        for i, call in bucket.calls:
+            k = call.matrix_shape()[0]
+            at = [position[(i, j)] for j in range(k)]
+            if at == list(range(at[0], at[0] + k)):
+                part = jax.lax.slice_in_dim(out, at[0], at[0] + k, axis=0)
+            else:
+                part = jnp.concatenate([jax.lax.slice_in_dim(out, p, p + 1, axis=0) for p in at], axis=0)
+            results[i] = call.from_matrices(part).astype(call.leaf.dtype)
+    return results
+
+
+def owned_update(
+    tx: Any,
+    grads: Any,
+    state: Any,
+    params: Any,
+    extra: Mapping[str, Any],
+    *,
+    owned: Callable[[int], bool] | None = None,
+) -> tuple[Any, Any]:
+    """``tx.update(grads, state, params, **extra)`` with its whole-leaf calls computed by their owners.
+
+    ``owned(i)`` says whether the ``i``-th whole-leaf call is owned (``None``:
+    all are); the others are computed as optax does, their leaf gathered
+    first under explicit axes (the compiler refuses optax's matmuls on a
+    split one).
+    """
+    mesh = mesh_of(grads)
+    if mesh is None:
+        return tx.update(grads, state, params, **extra)
+    tx = _with_owned_inner(tx, owned)
+    calls: list[Call] = []
+
+    def record(call: Call) -> Any:
+        calls.append(call)
+        return call.leaf
+
+    with intercepted(record):
+        tx.update(grads, state, params, **extra)
+    chosen = [i for i in range(len(calls)) if owned is None or owned(i)]
+    computed: dict[int, Any] = {}
+    if chosen:
+        try:
+            computed = dict(zip(chosen, owned_results([calls[i] for i in chosen], mesh), strict=True))
+        except jax.errors.UnexpectedTracerError:
+            computed = {}  # calls inside the transformation's own control flow: computed where they are
+    position = iter(range(len(calls)))
+
+    def replay(call: Call) -> Any:
+        i = next(position, None)
+        if i is not None and i in computed:
+            return computed[i]
+        leaf = call.leaf
+        if _explicit(mesh):
+            leaf = jax.sharding.reshard(leaf, NamedSharding(mesh, PartitionSpec()))
+        return call.compute(leaf)
+
+    with intercepted(replay):
+        return tx.update(grads, state, params, **extra)
+
+
+def _with_owned_inner(tx: Any, owned: Callable[[int], bool] | None) -> Any:
+    """``tx``, or for ``optax.MultiSteps`` the same accumulation around an owned inner transformation.
+
+    ``MultiSteps`` runs its inner update inside a ``lax.cond``, whose values
+    cannot leave the branch: the owners' work is done in there instead.
+    """
+    multi = getattr(tx.update, "__self__", None)
+    if not isinstance(multi, optax.MultiSteps):
+        return tx
+    inner = multi._opt  # how optax.MultiSteps holds its transformation
+
+    def update(updates: Any, state: Any, params: Any = None, **extra: Any) -> Any:
+        return owned_update(inner, updates, state, params, extra, owned=owned)
+
+    rebuilt = optax.MultiSteps(
+        optax.GradientTransformationExtraArgs(inner.init, update),
+        multi._every_k_schedule,
+        multi._use_grad_mean,
+        multi._should_skip_update_fn,
+    )
+    return rebuilt.gradient_transformation()
