@@ -50,22 +50,20 @@ __all__ = ["Bucket", "owned_update", "owners", "plan"]
 def plan(buckets: Sequence[tuple[float, int]], devices: int) -> list[list[int]]:
     """How many matrices of each bucket each device owns: ``[[count of device d for d] per bucket]``.
 
-    ``buckets`` are ``(cost of one matrix, number of matrices)``. A bucket's
-    matrices are stacked, ``ceil(k / devices)`` to a device, so no device may
-    own more than that of one bucket; within that, the matrices go one by one
-    to the device that has the least work so far, dearest buckets first.
+    ``buckets`` are ``(cost of one matrix, number of matrices)``. Longest
+    processing time first: the matrices, dearest first, go one by one to the
+    device with the least work so far (the first of equals).
 
     Example:
-        >>> plan([(1.0, 8)], devices=4), plan([(1.0, 5)], devices=4)
-        ([[2, 2, 2, 2]], [[2, 1, 1, 1]])
+        >>> plan([(1.0, 8)], devices=4), plan([(1.0, 3), (8.0, 1)], devices=2)
+        ([[2, 2, 2, 2]], [[0, 3], [1, 0]])
     """
     loads = [0.0] * devices
     out: list[list[int]] = [[0] * devices for _ in buckets]
     for b in sorted(range(len(buckets)), key=lambda b: -buckets[b][0]):
         cost, count = buckets[b]
-        cap = -(-count // devices)
         for _ in range(count):
-            d = min((d for d in range(devices) if out[b][d] < cap), key=lambda d: (loads[d], d))
+            d = min(range(devices), key=lambda d: (loads[d], d))
             out[b][d] += 1
             loads[d] += cost
     return out
@@ -158,55 +156,173 @@ def _place(x: Any, mesh: Any, spec: Sequence[Any], explicit: bool) -> Any:
     return jax.lax.with_sharding_constraint(x, sharding)
 
 
+@dataclasses.dataclass
+class _Stacked:
+    """One bucket laid out over the devices: a device's run of ``cap`` holds its matrices, then zeros."""
+
+    bucket: Bucket
+    per_device: list[list[tuple[int, int]]]
+    """``(call, matrix)`` of each device's matrices, in stack order."""
+    layout: tuple[Any, ...]
+    stack: Any = None
+
+    @property
+    def cap(self) -> int:
+        return max(len(mine) for mine in self.per_device)
+
+    @property
+    def counts(self) -> tuple[int, ...]:
+        return tuple(len(mine) for mine in self.per_device)
+
+    @property
+    def even(self) -> bool:
+        return len(set(self.counts)) == 1
+
+
 def owned_results(calls: Sequence[Call], mesh: Any) -> list[Any]:
     """The results of ``calls``, each matrix computed by its owner (see the module doc)."""
     devices = math.prod(mesh.shape.values())
     explicit = _explicit(mesh)
-    owner_axes = tuple(mesh.axis_names)
-    results: list[Any] = [None] * len(calls)
     assigned = owners(calls, devices)
+    stacked = []
     for bucket in buckets_of(calls):
-        m, n = bucket.shape
-        first = bucket.calls[0][1]
-        layout = _spec_of(first.matrices()) if explicit else ()
-        # Each device's matrices, then zeros up to the most loaded device's count: stacked, a device's
-        # run of the stack is its own.
         per_device: list[list[tuple[int, int]]] = [[] for _ in range(devices)]
         for i, _ in bucket.calls:
             for j, d in enumerate(assigned[i]):
                 per_device[d].append((i, j))
-        cap = max(len(mine) for mine in per_device)
-        matrices = {i: call.matrices() for i, call in bucket.calls}
-        if explicit:  # one layout to stack in: the first call's (under auto axes the compiler chooses)
-            matrices = {
-                i: _place(x, mesh, layout, True) if _spec_of(x) != layout else x for i, x in matrices.items()
-            }
-        in_order = [(i, j) for mine in per_device for i, j in mine]
-        if len(bucket.calls) == 1 and cap * devices == len(in_order) and in_order == sorted(in_order):
-            stack = matrices[
-                in_order[0][0]
-            ]  # a stacked leaf in its own order: split along its layers as it is
-        else:
-            pieces = []
-            for mine in per_device:
-                pieces += [jax.lax.slice_in_dim(matrices[i], j, j + 1, axis=0) for i, j in mine]
-                if len(mine) < cap:
-                    zeros = jnp.zeros((cap - len(mine), m, n), matrices[bucket.calls[0][0]].dtype)
-                    pieces.append(_place(zeros, mesh, layout, True) if explicit else zeros)
-            stack = jnp.concatenate(pieces, axis=0) if len(pieces) > 1 else pieces[0]
-        out = first.on_matrices(_place(stack, mesh, (owner_axes,), explicit))
-        # Back: to the leaves' own layout under explicit axes; to every device under auto axes.
-        out = _place(out, mesh, (None, *layout[1:]) if explicit else (), explicit)
-        position = {slot: p for p, slot in enumerate(in_order)}
-        for i, call in bucket.calls:
+        layout = _spec_of(bucket.calls[0][1].matrices()) if explicit else ()
+        one = _Stacked(bucket, per_device, layout)
+        one.stack = _place(_stack(one, mesh, explicit), mesh, (tuple(mesh.axis_names),), explicit)
+        stacked.append(one)
+    outs = _orthogonalized(stacked, mesh)
+    results: list[Any] = [None] * len(calls)
+    for one, out in zip(stacked, outs, strict=True):
+        if explicit:  # back to the leaves' own layout (under auto axes, each result below)
+            out = _place(out, mesh, (None, *one.layout[1:]), True)
+        position = {
+            slot: d * one.cap + j for d, mine in enumerate(one.per_device) for j, slot in enumerate(mine)
+        }
+        for i, call in one.bucket.calls:
             k = call.matrix_shape()[0]
             at = [position[(i, j)] for j in range(k)]
             if at == list(range(at[0], at[0] + k)):
                 part = jax.lax.slice_in_dim(out, at[0], at[0] + k, axis=0)
             else:
                 part = jnp.concatenate([jax.lax.slice_in_dim(out, p, p + 1, axis=0) for p in at], axis=0)
-            results[i] = call.from_matrices(part).astype(call.leaf.dtype)
+            result = call.from_matrices(part).astype(call.leaf.dtype)
+            results[i] = result if explicit else _place(result, mesh, _split(call, mesh), False)
     return results
+
+
+def _split(call: Call, mesh: Any) -> tuple[Any, ...]:
+    """Under auto axes, the layout a whole-leaf call's leaf is taken to have, as ZeRO-1 lays it out: split over
+    all the mesh's devices on a batch axis they divide (a stacked leaf's layers), else on its largest
+    dimension they divide (the first of equals), else whole.
+
+    The compiler does not say where a traced value lies; ZeRO over any of the mesh's axes splits that
+    dimension coarser, so taking this one from there is a local slice, not an exchange.
+    """
+    shape = tuple(call.leaf.shape)
+    devices = math.prod(mesh.shape.values())
+    batch = call.axes()[0]
+    for dims in (batch, range(len(shape))):
+        fits = [d for d in dims if shape[d] >= devices and shape[d] % devices == 0]
+        if fits:
+            dim = max(fits, key=lambda d: (shape[d], -d))
+            return (*([None] * dim), tuple(mesh.axis_names))
+    return ()
+
+
+def _stack(one: _Stacked, mesh: Any, explicit: bool) -> Any:
+    """The bucket's matrices in stack order, zeros where a device has fewer than ``cap``, in one layout."""
+    m, n = one.bucket.shape
+    leaves = {i: call.leaf for i, call in one.bucket.calls}
+    if not explicit:
+        leaves = {i: _place(call.leaf, mesh, _split(call, mesh), False) for i, call in one.bucket.calls}
+    matrices = {i: call.matrices(leaves[i]) for i, call in one.bucket.calls}
+    if explicit:  # one layout to stack in: the first call's (under auto axes the compiler chooses)
+        matrices = {
+            i: x if _spec_of(x) == one.layout else _place(x, mesh, one.layout, True)
+            for i, x in matrices.items()
+        }
+    in_order = [slot for mine in one.per_device for slot in mine]
+    if len(matrices) == 1 and one.even and in_order == sorted(in_order):
+        return next(
+            iter(matrices.values())
+        )  # a stacked leaf in its own order: split along its layers as it is
+    dtype = next(iter(matrices.values())).dtype
+    pieces = []
+    for mine in one.per_device:
+        pieces += [jax.lax.slice_in_dim(matrices[i], j, j + 1, axis=0) for i, j in mine]
+        if len(mine) < one.cap:
+            zeros = jnp.zeros((one.cap - len(mine), m, n), dtype)
+            pieces.append(_place(zeros, mesh, one.layout, True) if explicit else zeros)
+    return jnp.concatenate(pieces, axis=0) if len(pieces) > 1 else pieces[0]
+
+
+def _orthogonalized(stacked: Sequence[_Stacked], mesh: Any) -> list[Any]:
+    """Each bucket's function on each device's own matrices of its stack.
+
+    A bucket every device holds as many matrices of runs as one program on
+    each device's run. The others run in one branch per device (devices with
+    the same counts share one), picked by the device's index: XLA runs only
+    the branch taken, so no device computes zeros, and a device's branch
+    holds all its work, so the program's cost (the dearest branch) is the
+    most loaded device's.
+    """
+    outs: list[Any] = [one.bucket.calls[0][1].on_matrices(one.stack) if one.even else None for one in stacked]
+    uneven = [b for b, one in enumerate(stacked) if not one.even]
+    if not uneven:
+        return outs
+    devices = len(stacked[0].per_device)
+    vectors = [tuple(stacked[b].counts[d] for b in uneven) for d in range(devices)]
+    branches_for = sorted(set(vectors))
+    which = jnp.asarray([branches_for.index(vector) for vector in vectors], jnp.int32)
+    axes = tuple(mesh.axis_names)
+    arguments = [sorted(stacked[b].bucket.calls[0][1].arrays().items()) for b in uneven]
+
+    def branch(vector: tuple[int, ...]) -> Callable[..., Any]:
+        def run(blocks: Any, arrays: Any) -> Any:
+            out = []
+            for b, block, count, given in zip(uneven, blocks, vector, arrays, strict=True):
+                one, call = stacked[b], stacked[b].bucket.calls[0][1]
+                names = [name for name, _ in arguments[uneven.index(b)]]
+                if count == 0:
+                    out.append(jnp.zeros_like(block))
+                    continue
+                mine = call.on_matrices(
+                    jax.lax.slice_in_dim(block, 0, count, axis=0), dict(zip(names, given, strict=True))
+                )
+                if count < one.cap:
+                    mine = jnp.concatenate(
+                        [mine, jnp.zeros((one.cap - count, *block.shape[1:]), block.dtype)], axis=0
+                    )
+                out.append(mine)
+            return tuple(out)
+
+        return run
+
+    def local(blocks: Any, which: Any, arrays: Any) -> Any:
+        index = which[jax.lax.axis_index(axes)]
+        return jax.lax.switch(index, [branch(vector) for vector in branches_for], blocks, arrays)
+
+    spec, whole = PartitionSpec(axes), PartitionSpec()
+    blocks = tuple(stacked[b].stack for b in uneven)
+    arrays = tuple(tuple(_replicated(value, mesh) for _, value in given) for given in arguments)
+    in_specs = (tuple(spec for _ in blocks), whole, jax.tree.map(lambda _: whole, arrays))
+    done = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=tuple(spec for _ in blocks))(
+        blocks, which, arrays
+    )
+    for b, out in zip(uneven, done, strict=True):
+        outs[b] = out
+    return outs
+
+
+def _replicated(x: Any, mesh: Any) -> Any:
+    """``x`` replicated over ``mesh`` (under explicit axes a small array's type may name an axis)."""
+    if _explicit(mesh) and any(entry is not None for entry in _spec_of(x)):
+        return jax.sharding.reshard(x, NamedSharding(mesh, PartitionSpec()))
+    return x
 
 
 def owned_update(

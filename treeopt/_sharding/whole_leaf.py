@@ -196,9 +196,21 @@ class Call:
         moved = stack.reshape(tuple(shape[a] for a in order))
         return jnp.transpose(moved, tuple(order.index(a) for a in range(len(shape))))
 
-    def on_matrices(self, stack: Any) -> Any:
-        """The call's function on a ``(k, m, n)`` stack of matrices like the leaf's, with its other arguments."""
-        arguments = dict(self.arguments.arguments)
+    def arrays(self) -> dict[str, Any]:
+        """The call's array arguments but the leaf (Muon's coefficients), by name."""
+        return {
+            name: value
+            for name, value in self.arguments.arguments.items()
+            if name != self.entry.leaf and isinstance(value, jax.Array)
+        }
+
+    def on_matrices(self, stack: Any, arrays: dict[str, Any] | None = None) -> Any:
+        """The call's function on a ``(k, m, n)`` stack of matrices like the leaf's, with its other arguments.
+
+        ``arrays`` replace its array arguments (:meth:`arrays`), as a function
+        mapped over devices takes them.
+        """
+        arguments = {**self.arguments.arguments, **(arrays or {})}
         arguments[self.entry.leaf] = stack
         arguments[self.entry.dimension_numbers] = optax.contrib.MuonDimensionNumbers(
             reduction_axis=1, output_axis=2
