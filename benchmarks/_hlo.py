@@ -30,7 +30,9 @@ _BYTES = {
 _SHAPE = re.compile(r"\b(" + "|".join(_BYTES) + r")\[([0-9,]*)\]")
 _OP = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.*?)\s(" + "|".join(KINDS) + r")(-start)?\(")
 _HEADER = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
-_CALLS = re.compile(r"(?:body|condition|to_apply|calls|branch_computations|true_computation|false_computation)=\{?%?([\w.\-, %]+)\}?")
+_CALLS = re.compile(
+    r"(?:body|condition|to_apply|calls|branch_computations|true_computation|false_computation)=\{?%?([\w.\-, %]+)\}?"
+)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import AxisType, NamedSharding
+from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import treeopt
@@ -61,7 +61,9 @@ def sharded(tx, params, mesh, steps, specs=None, over="data"):
     placed = jax.device_put(params, shardings)
     opt = init_sharded(treeopt.Optimizer(tx), placed, mesh, specs, shard_state_over=over)
     opt_shardings = optimizer_shardings(opt, specs, mesh, shard_state_over=over)
-    jitted = jax.jit(step, in_shardings=(shardings, opt_shardings, shardings), out_shardings=(shardings, opt_shardings))
+    jitted = jax.jit(
+        step, in_shardings=(shardings, opt_shardings, shardings), out_shardings=(shardings, opt_shardings)
+    )
     with jax.set_mesh(mesh):
         for i in range(steps):
             placed, opt = jitted(placed, opt, jax.device_put(grads_at(params, i), shardings))
@@ -72,7 +74,9 @@ def sharded(tx, params, mesh, steps, specs=None, over="data"):
 
 def assert_close(got, want):
     for name in want:
-        np.testing.assert_allclose(np.asarray(got[name]), np.asarray(want[name]), rtol=RTOL, atol=ATOL, err_msg=name)
+        np.testing.assert_allclose(
+            np.asarray(got[name]), np.asarray(want[name]), rtol=RTOL, atol=ATOL, err_msg=name
+        )
 
 
 def params_bytes(params):
@@ -133,7 +137,11 @@ def test_state_dicts_load_between_owned_and_one_device():
     for a, b in zip(jax.tree.leaves(plain.state_dict()), jax.tree.leaves(owned.state_dict()), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     back = owned.load_state_dict(plain.state_dict())
-    for leaf, sharding in zip(jax.tree.leaves(back), jax.tree.leaves(optimizer_shardings(owned, {n: P() for n in params}, mesh, shard_state_over="data")), strict=True):
+    for leaf, sharding in zip(
+        jax.tree.leaves(back),
+        jax.tree.leaves(optimizer_shardings(owned, {n: P() for n in params}, mesh, shard_state_over="data")),
+        strict=True,
+    ):
         assert leaf.sharding.is_equivalent_to(sharding, leaf.ndim)
 
 
