@@ -23,8 +23,8 @@ import optax
 import pytest
 
 import treeopt
-from treeopt._step import statistics
-from treeopt._step.lowbit import Format, QuantizedLeaf, is_quantized
+from treeopt._step import lowbit_state, statistics
+from treeopt._step.lowbit import Format, QuantizedLeaf, is_quantized, quantize
 from treeopt._tree.paths import flatten_paths
 from treeopt.errors import StateDictError, StateDictWarning
 
@@ -277,6 +277,73 @@ def test_state_dicts_written_before_formats_were_recorded_still_load():
             kind, name = key.split("/")
             got = np.asarray(getattr(low.opt_state[0], kind)[name].dequantize())
             np.testing.assert_allclose(got, value, atol=(0.016 if bits == 8 else 0.13) * np.abs(value).max())
+
+
+# -- formats that cannot be the leaf ----------------------------------------------------------------
+
+WIDE = {"w": jax.random.normal(jax.random.key(9), (64, 512))}  # 8-bit blocks of 256 from axis 1
+
+
+def wide_state_dict() -> dict[str, Any]:
+    opt = treeopt.Optimizer(optax.adam(1e-2), state_bits=8).init(WIDE)
+    opt.update({"w": jnp.sin(WIDE["w"])}, WIDE)
+    return opt.state_dict()
+
+
+def with_format(sd: dict[str, Any], field: str, index: int, value: int) -> dict[str, Any]:
+    """``sd`` with one number of ``field``'s format entry of ``w`` changed: [version, bits, signed, axis, block]."""
+    sd = jax.tree.map(lambda x: x, sd)
+    entry = np.array(sd["opt_state"]["0"][field]["w"]["format"])
+    entry[index] = value
+    sd["opt_state"]["0"][field]["w"]["format"] = entry
+    return sd
+
+
+def _targets() -> dict[str, Any]:
+    return {f"{bits}-bit": treeopt.Optimizer(optax.adam(1e-2), state_bits=bits).init(WIDE) for bits in (8, 4, None)}
+
+
+@pytest.mark.parametrize("block", [0, -256, 200])
+def test_a_block_the_codes_cannot_have_is_an_error_naming_the_leaf_in_a_load_and_a_warm_start(block, monkeypatch):
+    sd = with_format(wide_state_dict(), "mu", 4, block)
+    # A strict load refuses the entry as it is, before decoding anything.
+    monkeypatch.setattr(lowbit_state, "_decode", lambda q: pytest.fail("a strict load decoded the source"))
+    with pytest.raises(StateDictError, match=re.escape("opt_state/0/mu/w/format: expected format [2, 8, 1, 1, 256]")) as caught:
+        _targets()["8-bit"].load_state_dict(sd)
+    why = "blocks of 200 from axis 1" if block == 200 else f"not valid: block {block}, expected 1 to 256"
+    assert why in str(caught.value)
+    monkeypatch.undo()
+    why = "scales of shape (64, 2) where blocks of 200" if block == 200 else f"block {block}, expected 1 to 256"
+    for name, target in _targets().items():  # into 8 bits, 4 bits and full precision alike
+        with pytest.raises(StateDictError, match=re.escape("opt_state/0/mu/w/format")) as caught:
+            treeopt.serialization.warm_start(target, sd)
+        assert why in str(caught.value), name
+
+
+def test_a_warm_start_refuses_the_map_of_the_other_sign_and_an_axis_beyond_the_rank_naming_the_leaf():
+    sd = wide_state_dict()
+    cases = [
+        (with_format(sd, "mu", 2, 0), "the unsigned map, where the leaf is a signed statistic"),
+        (with_format(sd, "nu", 2, 1), "the signed map, where the leaf is an unsigned statistic"),
+        (with_format(sd, "mu", 3, 5), "axis 5 of a 2-d leaf"),
+    ]
+    for bad, why in cases:
+        for name, target in _targets().items():
+            with pytest.raises(StateDictError, match=r"opt_state/0/(mu|nu)/w/format") as caught:
+                treeopt.serialization.warm_start(target, bad)
+            assert why in str(caught.value), (name, why)
+    # The formats as written still convert.
+    _, report = treeopt.serialization.warm_start(_targets()["4-bit"], sd)
+    assert ("opt_state/0/mu/w", "8-bit signed codes", "4-bit signed codes") in report.converted
+
+
+def test_a_format_of_a_newer_version_is_left_to_the_report():
+    sd = with_format(wide_state_dict(), "mu", 0, 3)
+    target = _targets()["4-bit"]
+    loaded, report = treeopt.serialization.warm_start(target, sd)
+    assert "opt_state/0/mu/w/format" in {p for p, _, _ in report.mismatched}
+    assert "opt_state/0/mu/w" not in {p for p, _, _ in report.converted}
+    np.testing.assert_array_equal(loaded.opt_state[0].mu["w"].codes, target.opt_state[0].mu["w"].codes)
 
 
 # -- bytes, dtypes, globs ---------------------------------------------------------------------------

@@ -44,6 +44,7 @@ __all__ = [
     "full_precision_reason",
     "markdown_table",
     "statistic_map",
+    "statistic_signs",
 ]
 
 SIGNED, UNSIGNED = "signed", "unsigned"
@@ -180,6 +181,48 @@ def fields_by_path(opt_state: Any) -> dict[tuple[Any, ...], tuple[type, str]]:
 
     visit(opt_state, ())
     return out
+
+
+def statistic_signs(tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> list[bool | None]:
+    """For each leaf of ``tree`` (as ``is_leaf`` finds them), whether it is a known signed statistic (``True``), an
+    unsigned one (``False``) or neither (``None``): a leaf directly under the dict of a statistic's field.
+
+    Example:
+        >>> import jax.numpy as jnp, optax
+        >>> statistic_signs(optax.adam(1e-3).init({"w": jnp.zeros(2)}))
+        [None, True, False]
+    """
+    fields = fields_by_path(tree)
+    out: list[bool | None] = []
+    for path, _ in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]:
+        field = fields.get(tuple(path[:-1]))
+        kind = statistic_map(*field) if field is not None else None
+        out.append(None if kind is None else kind == "signed")
+    return out
+
+
+def field_at(opt_state: Any, path: tuple[Any, ...]) -> str:
+    """The field of ``opt_state`` at ``path`` in words: ``"Type.field"`` (a NamedTuple's or a dataclass's), or
+    ``"dict['key']"``; for a warning that names a state field treeopt does not know.
+
+    Example:
+        >>> import jax
+        >>> state = ({"stat": {"w": 0.0}},)
+        >>> field_at(state, (jax.tree_util.SequenceKey(0), jax.tree_util.DictKey("stat")))
+        "dict['stat']"
+        >>> field_at({"w": 0.0}, ())
+        'dict (the whole state)'
+    """
+    if not path:
+        return f"{type(opt_state).__name__} (the whole state)"
+    parent, key = _value_at(opt_state, path[:-1]), path[-1]
+    if isinstance(key, jax.tree_util.GetAttrKey):
+        return f"{type(parent).__name__}.{key.name}"
+    if isinstance(key, jax.tree_util.DictKey):
+        return f"{type(parent).__name__}[{key.key!r}]"
+    if isinstance(key, jax.tree_util.SequenceKey):
+        return f"{type(parent).__name__}[{key.idx}]"
+    return f"{type(parent).__name__}{key}"
 
 
 # -- the table of the docs -------------------------------------------------------------------------
