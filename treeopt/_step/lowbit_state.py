@@ -53,7 +53,7 @@ from treeopt._step.lowbit import (
     encode_with,
     is_quantized,
 )
-from treeopt._step.statistics import fields_by_path, full_precision_reason, statistic_map
+from treeopt._step.statistics import field_at, fields_by_path, full_precision_reason, statistic_map
 from treeopt._tree.layout import ParamLayout
 from treeopt._tree.masks import name_matcher
 from treeopt._tree.paths import Path, flatten_paths, param_owners, path_str
@@ -166,7 +166,7 @@ class Choice(NamedTuple):
     param: str | None
     fmt: Format | None
     unknown_field: str | None = None
-    """``"Type.field"`` of a params-shaped leaf kept because its field is not a known statistic."""
+    """``"Type.field"`` (or ``"dict['key']"``) of a params-shaped leaf kept because its field is not a known statistic."""
 
 
 def choices(opt_state: Any, layout: ParamLayout, rules: StateBits) -> list[Choice]:
@@ -190,10 +190,13 @@ def choices(opt_state: Any, layout: ParamLayout, rules: StateBits) -> list[Choic
             and tuple(leaf.shape) == shapes[name]
             and math.prod(leaf.shape) >= MIN_ELEMENTS
         )
-        if not eligible or field is None:
+        if not eligible:
             out.append(Choice(path, name, None))
             continue
-        assert name is not None  # eligible: it is a trained parameter's
+        assert name is not None and owner is not None  # eligible: it is a trained parameter's
+        if field is None:  # a dict's entry, a dataclass's field: not known either
+            out.append(Choice(path, name, None, field_at(opt_state, path[:owner])))
+            continue
         kind = statistic_map(*field)
         if kind is None:
             unknown = None if full_precision_reason(*field) else f"{field[0].__name__}.{field[1]}"
