@@ -1,6 +1,7 @@
 """The block-wise low-bit codec: maps, layouts, error bounds, the zero point, adversarial blocks, formats."""
 
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -285,6 +286,49 @@ def test_the_format_entry_round_trips_and_an_unknown_one_is_refused():
     assert Format.from_entry(fmt.entry()) == fmt
     with pytest.raises(ValueError, match="unknown low-bit format"):
         Format.from_entry(np.array([9, 8, 1, 0, 256]))
+
+
+@pytest.mark.parametrize(
+    ("entry", "why"),
+    [
+        ([2, 8, 1, 1, 0], "block 0, expected 1 to 256 elements at 8 bits"),
+        ([2, 8, 1, 1, -256], "block -256, expected 1 to 256 elements at 8 bits"),
+        ([2, 4, 1, 1, 256], "block 256, expected 1 to 128 elements at 4 bits"),
+        ([2, 8, 1, -1, 256], "axis -1, expected 0 or more"),
+        ([2, 8, 2, 0, 256], "signed 2, expected 0 or 1"),
+        ([2, 16, 1, 0, 256], "bits 16, expected 8 or 4"),
+    ],
+)
+def test_a_format_entry_no_layout_makes_is_refused_saying_why(entry, why):
+    with pytest.raises(ValueError, match=re.escape(f"low-bit format {entry} is not valid: {why}")):
+        Format.from_entry(np.array(entry))
+    assert lowbit.describe_entry(np.array(entry)) == f"format {entry} (not valid: {why})"
+
+
+def test_a_format_says_why_it_cannot_describe_a_leaf():
+    fmt = Format(8, True, *block_layout((64, 512), 8))
+    assert fmt.misfit((64, 512), (64, 512), (64, 2)) is None
+    assert fmt.misfit((64, 512), (64, 512), (64, 3)) == (
+        "scales of shape (64, 3) where blocks of 256 from axis 1 of (64, 512) make (64, 2)"
+    )
+    assert fmt.misfit((64, 256), (64, 512)) == (
+        "codes of shape (64, 512) where blocks of 256 from axis 1 of (64, 256) make (64, 256)"
+    )
+    assert fmt.misfit((4096,)) == "axis 1 of a 1-d leaf"
+    assert Format(8, True, 0, 1).misfit(()) is None  # a scalar: one block of one
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_leaf_made_under_vmap_names_its_batch_axes_outside_vmap(bits):
+    batch = jax.vmap(lambda x: quantize_eagerly(x, bits))(jax.random.normal(jax.random.key(5), (3, 64, 128)))
+    with pytest.raises(ValueError, match=re.escape("holds a batch: its codes and scales have the leading axes (3,)")):
+        batch.dequantize()
+    decoded = jax.vmap(lambda q: q.dequantize())(batch)
+    one = jax.tree.map(lambda x: x[1], batch)
+    np.testing.assert_array_equal(decoded[1], one.dequantize())
+    bad = QuantizedLeaf(batch.codes[0, :32], batch.scales[0], shape=(64, 128), dtype=jnp.float32, format=batch.format)
+    with pytest.raises(ValueError, match=r"has codes of shape \(32, "):
+        bad.dequantize()
 
 
 @pytest.mark.parametrize(("bits", "signed"), MAPS)

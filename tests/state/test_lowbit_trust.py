@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import warnings
 from pathlib import Path
@@ -23,8 +24,8 @@ import optax
 import pytest
 
 import treeopt
-from treeopt._step import statistics
-from treeopt._step.lowbit import Format, QuantizedLeaf, is_quantized
+from treeopt._step import lowbit_state, statistics
+from treeopt._step.lowbit import Format, QuantizedLeaf, is_quantized, quantize
 from treeopt._tree.paths import flatten_paths
 from treeopt.errors import StateDictError, StateDictWarning
 
@@ -54,11 +55,11 @@ def loss_fn(params: Any) -> jax.Array:
     return jnp.mean((params["w"] - TARGET) ** 2) + jnp.mean((params["b"] - 0.1) ** 2)
 
 
-def _update(opt: Any, tx: Any, grads: Any, params: Any) -> Any:
+def _update(opt: Any, tx: Any, grads: Any, params: Any, loss: Any = loss_fn) -> Any:
     """``opt.update``, with what an optimizer needs beyond grads and params (a value, a line search's or a
     Hessian estimate's function)."""
-    value, grad = jax.value_and_grad(loss_fn)(params)
-    for extra in ({}, {"value": value, "grad": grad, "value_fn": loss_fn}, {"obj_fn": loss_fn}):
+    value, grad = jax.value_and_grad(loss)(params)
+    for extra in ({}, {"value": value, "grad": grad, "value_fn": loss}, {"obj_fn": loss}):
         try:
             return opt.update(grads, params, **extra)
         except (TypeError, ValueError):
@@ -157,15 +158,184 @@ def test_a_field_treeopt_does_not_know_keeps_full_precision_and_is_reported():
     assert not is_quantized(opt.opt_state.stat["w"])
 
 
-def test_the_docs_table_lists_every_params_shaped_field_of_every_optimizer():
-    rows = statistics.field_table()
-    by = {(r.transformation, r.field): r.held for r in rows}
+@pytest.mark.parametrize("container", ["dict", "dataclass"])
+def test_a_dict_or_dataclass_field_treeopt_does_not_know_is_reported_by_name(container):
+    @jax.tree_util.register_dataclass
+    @dataclasses.dataclass
+    class Running:
+        stat: Any
+
+    wrap = (lambda x: {"stat": x}) if container == "dict" else Running
+    read = (lambda state: state["stat"]) if container == "dict" else (lambda state: state.stat)
+    tx = optax.GradientTransformation(
+        lambda params: wrap(jax.tree.map(jnp.zeros_like, params)),
+        lambda updates, state, params=None: (updates, wrap(jax.tree.map(jnp.add, read(state), updates))),
+    )
+    named = "dict['stat']" if container == "dict" else "Running.stat"
+    with pytest.warns(UserWarning, match=re.escape(f"{[named]} are not known running statistics")):
+        opt = treeopt.Optimizer(optax.chain(optax.adam(1e-3), tx), state_bits=8).init({"w": jnp.ones((64, 64))})
+    assert not is_quantized(read(opt.opt_state[1])["w"]) and is_quantized(opt.opt_state[0][0].mu["w"])
+
+
+def test_a_polyak_average_kept_in_optax_ema_state_opts_into_codes():
+    # EmaState is optax's running average of the gradients: a transformation that reuses the type for
+    # something else (here an average of the params) is read as that statistic, as the docs say.
+    tx = optax.GradientTransformation(
+        lambda params: optax.EmaState(count=jnp.zeros([], jnp.int32), ema=jax.tree.map(jnp.copy, params)),
+        lambda updates, state, params=None: (updates, state),
+    )
+    opt = treeopt.Optimizer(tx, state_bits=8).init({"w": jnp.ones((64, 64))})
+    assert is_quantized(opt.opt_state.ema["w"])
+
+
+def _table_on_the_page() -> str:
+    page = (Path(__file__).parents[2] / "docs" / "low-bit-state.md").read_text().splitlines()
+    start = page.index("| optimizer | state field | with state_bits |")
+    end = next(i for i in range(start, len(page)) if not page[i].startswith("|"))
+    return "\n".join(page[start:end])
+
+
+def test_the_docs_table_is_the_one_the_code_makes():
+    assert _table_on_the_page() == statistics.markdown_table()  # regenerate: see markdown_table's doc
+
+
+def test_the_table_holds_each_field_as_the_code_does_on_the_shapes_it_names():
+    by = {(r.transformation, r.field): r.held for r in statistics.field_table()}
     assert by[("optax.adam", "ScaleByAdamState.nu")] == "8/4-bit unsigned"
     assert by[("optax.contrib.dog", "DoGState.init_params")] == "full precision: a copy of the params"
     assert by[("optax.lbfgs", "ScaleByLBFGSState.params")].startswith("full precision")
-    page = (Path(__file__).parents[2] / "docs" / "low-bit-state.md").read_text()
-    for row in rows:  # the page shows the table the code makes (scripts/ regenerates it)
-        assert f"| {row.transformation} | {row.field} | {row.held} |" in page, row
+    # SM3: mu is the cover of accumulated squares (vectors per axis), nu the momentum shaped like the param.
+    assert by[("optax.sm3", "ScaleBySM3State.nu")] == "8/4-bit signed"
+    assert by[("optax.sm3", "ScaleBySM3State.mu")].startswith("full precision: SM3's cover")
+    assert by[("optax.rmsprop(centered=True)", "ScaleByRStdDevState.nu")].startswith("full precision: read as")
+    # GaLore projects a non-square kernel's moments to a shape of their own, which keeps full precision.
+    galore = by[("optax.contrib.galore", "ScaleByAdamState.mu")]
+    assert galore == "full precision for (128, 256): not shaped like its param; 8/4-bit signed for (64, 64), (4096,)"
+    params = {name: jnp.zeros(shape) for name, shape in statistics.TABLE_SHAPES.items()}
+    opt = treeopt.Optimizer(optax.contrib.galore(1e-3), state_bits=8).init(params)
+    mu = opt.opt_state[0].base_optimizer_state.mu
+    assert [is_quantized(mu[name]) for name in ("kernel", "square", "vector")] == [False, True, True]
+    sm3 = treeopt.Optimizer(optax.sm3(1e-3), state_bits=8).init(params).opt_state[0]
+    assert is_quantized(sm3.nu["kernel"]) and not any(is_quantized(v) for v in jax.tree.leaves(sm3.mu))
+
+
+# -- statistics an update reads together -------------------------------------------------------------
+
+# Every optax alias and optax.contrib optimizer whose update reads two statistics together (as the table
+# finds them: two fields held as codes, or one kept because of such a read): Adam's mu / sqrt(nu) and its
+# kin, Adan's (m + (1 - b2) v) / sqrt(n), AdEMAMix's (m1 + alpha m2) / sqrt(nu), AMSGrad's max(nu_max, nu),
+# AdaDelta's e_x / e_g, Sophia's mu / max(gamma nu, eps), AdaBelief's and ACProp's nu of (g - mu)**2,
+# and the two kept at full precision: centered RMSprop's nu - mu**2 and Momo's exp_avg . params - gamma.
+COMBINING = (
+    "optax.adabelief", "optax.adadelta", "optax.adam", "optax.adamax", "optax.adamaxw", "optax.adamw",
+    "optax.adan", "optax.amsgrad", "optax.lamb", "optax.optimistic_adam", "optax.optimistic_adam_v2",
+    "optax.radam", "optax.yogi", "optax.contrib.acprop", "optax.contrib.ademamix", "optax.contrib.adopt",
+    "optax.contrib.dadapt_adamw", "optax.contrib.galore", "optax.contrib.mechanize", "optax.contrib.momo",
+    "optax.contrib.momo_adam", "optax.contrib.muon", "optax.contrib.prodigy", "optax.contrib.scale_by_galore",
+    "optax.contrib.schedule_free", "optax.contrib.simplified_ademamix", "optax.contrib.sophia",
+    "optax.rmsprop(centered=True)", "optax.rmsprop(centered=True, bias_correction=True)",
+)
+
+
+def test_the_optimizers_that_combine_statistics_are_those_the_table_finds():
+    held: dict[str, list[str]] = {}
+    for row in statistics.field_table():
+        held.setdefault(row.transformation, []).append(row.held)
+    found = {
+        name
+        for name, fields in held.items()
+        if sum("8/4-bit" in h for h in fields) >= 2 or any("read as" in h for h in fields)
+    }
+    assert found == set(COMBINING)
+
+
+NOISY_TARGET = 3.0 + jax.random.normal(jax.random.key(7), (64, 128))
+NOISY_START = {"w": jnp.full((64, 128), 3.0)}
+
+
+def noisy_loss(params: Any) -> jax.Array:
+    return 0.5 * jnp.mean((params["w"] - NOISY_TARGET) ** 2)
+
+
+NOISE = jax.random.normal(jax.random.key(8), (30, 64, 128))
+
+
+@jax.jit
+def _noisy_grads(params: Any, noise: jax.Array) -> tuple[jax.Array, Any]:
+    value, grads = jax.value_and_grad(noisy_loss)(params)
+    return value, {"w": grads["w"] + 0.5 * jnp.abs(grads["w"]).mean() * noise}
+
+
+def noisy_run(tx: Any, state_bits: Any, steps: int = 30) -> jax.Array:
+    """A noisy quadratic (a (64, 128) param away from the origin, gradient noise half their mean size):
+    the param after ``steps`` steps."""
+    opt = treeopt.Optimizer(tx, state_bits=state_bits).init(NOISY_START)
+    params, extras = NOISY_START, ((), ("value",), ("obj_fn",), ("value", "grad", "value_fn"))
+    for i in range(steps):
+        value, grads = _noisy_grads(params, NOISE[i])
+        given = {"value": value, "grad": grads, "value_fn": noisy_loss, "obj_fn": noisy_loss}
+        for extra in extras:  # what the optimizer needs beyond grads and params, found on the first step
+            try:
+                new = opt.update(grads, params, **{k: given[k] for k in extra})
+            except (TypeError, ValueError):
+                continue
+            params, extras = new, (extra,)
+            break
+        else:
+            raise AssertionError(f"no update of {tx} took the extra arguments tried")
+    return params["w"]
+
+
+@pytest.mark.parametrize("name", COMBINING)
+def test_statistics_an_update_combines_never_turn_nan_and_train_like_float32(name):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # deprecated aliases
+        full = float(noisy_loss({"w": noisy_run(TRANSFORMATIONS[name](), None)}))
+        for bits, tolerance in ((8, 0.02), (4, 0.10)):
+            w = noisy_run(TRANSFORMATIONS[name](), bits)
+            assert not bool(jnp.isnan(w).any()), (name, bits, int(jnp.isnan(w).sum()))
+            low = float(noisy_loss({"w": w}))
+            assert abs(low - full) <= tolerance * full, (name, bits, low, full)
+
+
+@pytest.mark.parametrize("bias_correction", [False, True])
+def test_centered_rmsprop_keeps_its_mean_and_mean_square_full_precision_and_never_turns_nan(bias_correction):
+    # Its step reads nu - mu**2 under a root: codes of each made it negative (all 8,192 params NaN at 4 bits).
+    tx = lambda: optax.rmsprop(1e-2, centered=True, bias_correction=bias_correction)  # noqa: E731
+    full = float(noisy_loss({"w": noisy_run(tx(), None)}))
+    for bits, tolerance in ((8, 0.02), (4, 0.05)):
+        w = noisy_run(tx(), bits)
+        assert not bool(jnp.isnan(w).any())
+        assert abs(float(noisy_loss({"w": w})) - full) <= tolerance * full
+    state = treeopt.Optimizer(tx(), state_bits=4).init(NOISY_START).opt_state[0]
+    assert not is_quantized(state.mu["w"]) and not is_quantized(state.nu["w"])
+
+
+@pytest.mark.parametrize(
+    "make", [lambda: optax.contrib.momo(1000.0), lambda: optax.contrib.momo_adam(1.0)], ids=["momo", "momo_adam"]
+)
+def test_momo_keeps_the_momentum_it_reads_against_an_exact_inner_product_full_precision(make):
+    # Momo's step size reads exp_avg . params - gamma, gamma the exact running grad . params: with
+    # exp_avg as 4-bit codes Momo ended at 1.76x, MomoAdam at 7.75x float32 state's loss here.
+    full = float(noisy_loss({"w": noisy_run(make(), None)}))
+    low = float(noisy_loss({"w": noisy_run(make(), 4)}))
+    assert abs(low - full) <= 0.10 * full, (low, full)
+
+
+def test_a_state_dict_of_centered_rmsprop_codes_warm_starts_into_full_precision():
+    # Written when the table held ScaleByRStdDevState as codes: converted, never loaded as it is.
+    tx = optax.rmsprop(1e-2, centered=True)
+    opt = treeopt.Optimizer(tx, state_bits=8).init(NOISY_START)
+    opt.update({"w": jnp.cos(NOISY_TARGET)}, NOISY_START)
+    sd = opt.state_dict()
+    mu = jnp.asarray(sd["opt_state"]["0"]["mu"]["w"])
+    old = quantize(mu, 8)
+    sd["opt_state"]["0"]["mu"]["w"] = {"codes": old.codes, "scales": old.scales, "format": old.format.entry()}
+    with pytest.raises(StateDictError, match="opt_state/0/mu/w/codes"):
+        treeopt.Optimizer(tx, state_bits=8).init(NOISY_START).load_state_dict(sd)
+    warm, report = treeopt.serialization.warm_start(treeopt.Optimizer(tx, state_bits=8).init(NOISY_START), sd)
+    assert report.converted == (("opt_state/0/mu/w", "8-bit signed codes", "float32[64, 128]"),)
+    np.testing.assert_array_equal(warm.opt_state[0].mu["w"], old.dequantize())
 
 
 # -- codes, scales and format: one value -------------------------------------------------------------
@@ -277,6 +447,73 @@ def test_state_dicts_written_before_formats_were_recorded_still_load():
             kind, name = key.split("/")
             got = np.asarray(getattr(low.opt_state[0], kind)[name].dequantize())
             np.testing.assert_allclose(got, value, atol=(0.016 if bits == 8 else 0.13) * np.abs(value).max())
+
+
+# -- formats that cannot be the leaf ----------------------------------------------------------------
+
+WIDE = {"w": jax.random.normal(jax.random.key(9), (64, 512))}  # 8-bit blocks of 256 from axis 1
+
+
+def wide_state_dict() -> dict[str, Any]:
+    opt = treeopt.Optimizer(optax.adam(1e-2), state_bits=8).init(WIDE)
+    opt.update({"w": jnp.sin(WIDE["w"])}, WIDE)
+    return opt.state_dict()
+
+
+def with_format(sd: dict[str, Any], field: str, index: int, value: int) -> dict[str, Any]:
+    """``sd`` with one number of ``field``'s format entry of ``w`` changed: [version, bits, signed, axis, block]."""
+    sd = jax.tree.map(lambda x: x, sd)
+    entry = np.array(sd["opt_state"]["0"][field]["w"]["format"])
+    entry[index] = value
+    sd["opt_state"]["0"][field]["w"]["format"] = entry
+    return sd
+
+
+def _targets() -> dict[str, Any]:
+    return {f"{bits}-bit": treeopt.Optimizer(optax.adam(1e-2), state_bits=bits).init(WIDE) for bits in (8, 4, None)}
+
+
+@pytest.mark.parametrize("block", [0, -256, 200])
+def test_a_block_the_codes_cannot_have_is_an_error_naming_the_leaf_in_a_load_and_a_warm_start(block, monkeypatch):
+    sd = with_format(wide_state_dict(), "mu", 4, block)
+    # A strict load refuses the entry as it is, before decoding anything.
+    monkeypatch.setattr(lowbit_state, "_decode", lambda q: pytest.fail("a strict load decoded the source"))
+    with pytest.raises(StateDictError, match=re.escape("opt_state/0/mu/w/format: expected format [2, 8, 1, 1, 256]")) as caught:
+        _targets()["8-bit"].load_state_dict(sd)
+    why = "blocks of 200 from axis 1" if block == 200 else f"not valid: block {block}, expected 1 to 256"
+    assert why in str(caught.value)
+    monkeypatch.undo()
+    why = "scales of shape (64, 2) where blocks of 200" if block == 200 else f"block {block}, expected 1 to 256"
+    for name, target in _targets().items():  # into 8 bits, 4 bits and full precision alike
+        with pytest.raises(StateDictError, match=re.escape("opt_state/0/mu/w/format")) as caught:
+            treeopt.serialization.warm_start(target, sd)
+        assert why in str(caught.value), name
+
+
+def test_a_warm_start_refuses_the_map_of_the_other_sign_and_an_axis_beyond_the_rank_naming_the_leaf():
+    sd = wide_state_dict()
+    cases = [
+        (with_format(sd, "mu", 2, 0), "the unsigned map, where the leaf is a signed statistic"),
+        (with_format(sd, "nu", 2, 1), "the signed map, where the leaf is an unsigned statistic"),
+        (with_format(sd, "mu", 3, 5), "axis 5 of a 2-d leaf"),
+    ]
+    for bad, why in cases:
+        for name, target in _targets().items():
+            with pytest.raises(StateDictError, match=r"opt_state/0/(mu|nu)/w/format") as caught:
+                treeopt.serialization.warm_start(target, bad)
+            assert why in str(caught.value), (name, why)
+    # The formats as written still convert.
+    _, report = treeopt.serialization.warm_start(_targets()["4-bit"], sd)
+    assert ("opt_state/0/mu/w", "8-bit signed codes", "4-bit signed codes") in report.converted
+
+
+def test_a_format_of_a_newer_version_is_left_to_the_report():
+    sd = with_format(wide_state_dict(), "mu", 0, 3)
+    target = _targets()["4-bit"]
+    loaded, report = treeopt.serialization.warm_start(target, sd)
+    assert "opt_state/0/mu/w/format" in {p for p, _, _ in report.mismatched}
+    assert "opt_state/0/mu/w" not in {p for p, _, _ in report.converted}
+    np.testing.assert_array_equal(loaded.opt_state[0].mu["w"].codes, target.opt_state[0].mu["w"].codes)
 
 
 # -- bytes, dtypes, globs ---------------------------------------------------------------------------

@@ -48,6 +48,7 @@ from treeopt._state.policies import EXACT, EXACT_OR_WIDER
 from treeopt._step.lowbit import describe_entry, is_quantized
 from treeopt._step.lowbit_state import converted_source
 from treeopt._step.precision import held_as
+from treeopt._step.statistics import statistic_signs
 from treeopt._step.step_rule import refuse_a_negative_step
 from treeopt._tree.paths import Path, flatten_paths, path_str
 from treeopt.errors import LoadReport
@@ -153,7 +154,9 @@ def _in_target_precision(
     leaves, treedef = jax.tree.flatten(parts, is_leaf=is_quantized)
     indexed = flatten_paths(plain_state(jax.tree.unflatten(treedef, list(range(len(leaves))))))
     units = {path: leaves[i] for path, i in indexed.items() if isinstance(i, int)}
-    flat, converted = converted_source(units, source, legacy_only=legacy_only)
+    signs = statistic_signs(parts, is_leaf=is_quantized)
+    signed = {path: signs[i] for path, i in indexed.items() if isinstance(i, int)}
+    flat, converted = converted_source(units, source, legacy_only=legacy_only, signed=signed)
     if not converted:
         return source, ()
     read_verified(StateDictSource(source, "warm_start"), {})

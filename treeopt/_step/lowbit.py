@@ -385,6 +385,7 @@ def dequantize(q: QuantizedLeaf) -> jax.Array:
         Array([1.9073486e-06, 5.0000000e-01, 1.0000000e+00], dtype=float32)
     """
     fmt = q.format
+    _refuse_batched(q)
     codes = _uncut(jnp.asarray(q.codes), q.shape, fmt)
     codes = _unpack(codes, q.shape, fmt) if fmt.bits == 4 else codes
     compute = _compute_dtype(q.dtype)
@@ -397,6 +398,30 @@ def dequantize(q: QuantizedLeaf) -> jax.Array:
         floor = jnp.where(scales > 0, np.asarray(tiny, compute), np.asarray(0, compute))
         values = _larger_of_nonnegative(values, _broadcast(floor, q.shape, fmt))
     return values.astype(q.dtype)
+
+
+def _refuse_batched(q: QuantizedLeaf) -> None:
+    """A ``ValueError`` for codes and scales with leading axes the leaf's shape lacks: a leaf made under ``jax.vmap``.
+
+    ``vmap`` adds its axis to the children (codes and scales), not to the
+    shape and format in the aux data, so outside ``vmap`` the leaf describes
+    one member of the batch.
+    """
+    codes, scales = tuple(np.shape(q.codes)), tuple(np.shape(q.scales))
+    want_codes, want_scales = codes_shape(q.shape, q.format), scales_shape(q.shape, q.format)
+    if codes == want_codes and scales == want_scales:
+        return
+    extra = len(codes) - len(want_codes)
+    if extra > 0 and codes[extra:] == want_codes and scales[extra:] == want_scales and codes[:extra] == scales[:extra]:
+        raise ValueError(
+            f"this QuantizedLeaf of shape {q.shape} holds a batch: its codes and scales have the leading "
+            f"axes {codes[:extra]} that jax.vmap added (the shape and format describe one member). "
+            "Dequantize it under the same vmap: jax.vmap(lambda q: q.dequantize())(leaf)."
+        )
+    raise ValueError(
+        f"this QuantizedLeaf of shape {q.shape} ({q.format.describe()}) has codes of shape {codes} and "
+        f"scales of shape {scales}, where its format makes {want_codes} and {want_scales}."
+    )
 
 
 def _larger_of_nonnegative(a: jax.Array, b: jax.Array) -> jax.Array:

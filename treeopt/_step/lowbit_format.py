@@ -75,19 +75,78 @@ class Format:
 
     @classmethod
     def from_entry(cls, entry: Any) -> Format:
-        """The format a state dict's ``format`` entry describes; ``ValueError`` for one this version cannot read."""
+        """The format a state dict's ``format`` entry describes; ``ValueError`` for one this version cannot read.
+
+        Example:
+            >>> Format.from_entry([2, 8, 1, 0, 0])
+            Traceback (most recent call last):
+            ...
+            ValueError: low-bit format [2, 8, 1, 0, 0] is not valid: block 0, expected 1 to 256 elements at 8 bits
+        """
         values = [int(v) for v in np.asarray(entry).reshape(-1)]
-        if (
-            len(values) != 5
-            or values[0] != FORMAT_VERSION
-            or values[1] not in (8, 4)
-            or values[2] not in (0, 1)
-        ):
+        if len(values) != 5 or values[0] != FORMAT_VERSION:
             raise ValueError(
                 f"unknown low-bit format {values}: expected [version {FORMAT_VERSION}, bits 8 or 4, signed 0 "
                 "or 1, axis, block] (saved by a newer treeopt?)"
             )
+        problem = _entry_problem(*values[1:])
+        if problem is not None:
+            raise ValueError(f"low-bit format {values} is not valid: {problem}")
         return cls(bits=values[1], signed=bool(values[2]), axis=values[3], block=values[4], version=values[0])
+
+    @classmethod
+    def for_leaf(
+        cls, entry: Any, shape: Sequence[int], codes: Sequence[int], scales: Sequence[int], signed: bool | None
+    ) -> Format | None:
+        """The format of a state dict's leaf, checked against its codes and scales; ``None`` for another version.
+
+        ``ValueError`` saying why it cannot describe the leaf: not a valid
+        format, codes or scales that another layout makes, an axis beyond the
+        leaf's rank, or the map of the other sign than ``signed`` (``None``:
+        either).
+
+        Example:
+            >>> Format.for_leaf([2, 8, 0, 1, 256], (64, 512), (64, 512), (64, 2), signed=True)
+            Traceback (most recent call last):
+            ...
+            ValueError: the unsigned map, where the leaf is a signed statistic
+        """
+        values = [int(v) for v in np.asarray(entry).reshape(-1)]
+        if len(values) != 5 or values[0] != FORMAT_VERSION:
+            return None  # a newer version: not this one's to judge
+        problem = _entry_problem(*values[1:])
+        fmt = cls.from_entry(values) if problem is None else None
+        if fmt is not None:
+            problem = fmt.misfit(shape, codes, scales)
+        if fmt is not None and problem is None and signed is not None and fmt.signed != signed:
+            problem = f"the {'signed' if fmt.signed else 'unsigned'} map, where the leaf is {'a signed' if signed else 'an unsigned'} statistic"
+        if problem is not None:
+            raise ValueError(problem)
+        return fmt
+
+    def misfit(
+        self, shape: Sequence[int], codes: Sequence[int] | None = None, scales: Sequence[int] | None = None
+    ) -> str | None:
+        """Why this format cannot describe a leaf of ``shape`` with codes and scales of these shapes (``None``: it can).
+
+        Example:
+            >>> fmt = Format(8, True, 1, 256)
+            >>> fmt.misfit((64, 512), (64, 512), (64, 2)) is None, fmt.misfit((512,))
+            (True, 'axis 1 of a 1-d leaf')
+            >>> fmt.misfit((64, 512), (64, 512), (64, 3))
+            'scales of shape (64, 3) where blocks of 256 from axis 1 of (64, 512) make (64, 2)'
+        """
+        shape = tuple(int(d) for d in shape)
+        if self.axis >= max(len(shape), 1):
+            return f"axis {self.axis} of a {len(shape)}-d leaf"
+        for part, given, expected in (("codes", codes, codes_shape), ("scales", scales, scales_shape)):
+            want = expected(shape, self)
+            if given is not None and tuple(given) != want:
+                return (
+                    f"{part} of shape {tuple(given)} where blocks of {self.block} from axis {self.axis} of "
+                    f"{shape} make {want}"
+                )
+        return None
 
     def describe(self) -> str:
         """A short readable form: ``"8-bit signed, blocks of 256 from axis 1"``.
@@ -110,8 +169,22 @@ def describe_entry(entry: Any) -> str:
     values = np.asarray(entry).reshape(-1).tolist()
     try:
         return f"format {values} ({Format.from_entry(entry).describe()})"
-    except ValueError:
-        return f"format {values}"
+    except ValueError as error:
+        reason = str(error).split(": ", 1)[-1] if "is not valid" in str(error) else None
+        return f"format {values}" + (f" (not valid: {reason})" if reason else "")
+
+
+def _entry_problem(bits: int, signed: int, axis: int, block: int) -> str | None:
+    """What a ``format`` entry of today's version holds that no format has (``None``: nothing)."""
+    if bits not in _MAX_BLOCK:
+        return f"bits {bits}, expected 8 or 4"
+    if signed not in (0, 1):
+        return f"signed {signed}, expected 0 or 1"
+    if axis < 0:
+        return f"axis {axis}, expected 0 or more"
+    if not 1 <= block <= _MAX_BLOCK[bits]:
+        return f"block {block}, expected 1 to {_MAX_BLOCK[bits]} elements at {bits} bits"
+    return None
 
 
 # -- layout ----------------------------------------------------------------------------------------

@@ -53,10 +53,11 @@ from treeopt._step.lowbit import (
     encode_with,
     is_quantized,
 )
-from treeopt._step.statistics import fields_by_path, full_precision_reason, statistic_map
+from treeopt._step.statistics import field_at, fields_by_path, full_precision_reason, statistic_map
 from treeopt._tree.layout import ParamLayout
 from treeopt._tree.masks import name_matcher
 from treeopt._tree.paths import Path, flatten_paths, param_owners, path_str
+from treeopt.errors import LoadReport, StateDictError
 
 __all__ = [
     "MIN_ELEMENTS",
@@ -165,7 +166,7 @@ class Choice(NamedTuple):
     param: str | None
     fmt: Format | None
     unknown_field: str | None = None
-    """``"Type.field"`` of a params-shaped leaf kept because its field is not a known statistic."""
+    """``"Type.field"`` (or ``"dict['key']"``) of a params-shaped leaf kept because its field is not a known statistic."""
 
 
 def choices(opt_state: Any, layout: ParamLayout, rules: StateBits) -> list[Choice]:
@@ -189,10 +190,13 @@ def choices(opt_state: Any, layout: ParamLayout, rules: StateBits) -> list[Choic
             and tuple(leaf.shape) == shapes[name]
             and math.prod(leaf.shape) >= MIN_ELEMENTS
         )
-        if not eligible or field is None:
+        if not eligible:
             out.append(Choice(path, name, None))
             continue
-        assert name is not None  # eligible: it is a trained parameter's
+        assert name is not None and owner is not None  # eligible: it is a trained parameter's
+        if field is None:  # a dict's entry, a dataclass's field: not known either
+            out.append(Choice(path, name, None, field_at(opt_state, path[:owner])))
+            continue
         kind = statistic_map(*field)
         if kind is None:
             unknown = None if full_precision_reason(*field) else f"{field[0].__name__}.{field[1]}"
@@ -411,7 +415,10 @@ CODES, SCALES, FORMAT = "codes", "scales", "format"
 
 
 def converted_source(
-    units: Mapping[Path, Any], source: Any, legacy_only: bool = False
+    units: Mapping[Path, Any],
+    source: Any,
+    legacy_only: bool = False,
+    signed: Mapping[Path, bool | None] | None = None,
 ) -> tuple[dict[Path, Any], tuple[tuple[str, str, str], ...]]:
     """A warm start's source, with each low-bit value converted to the target's precision at the target's paths.
 
@@ -423,7 +430,14 @@ def converted_source(
     format; a state dict without ``format`` entries (written before formats
     were recorded) is read in that first layout. Returns the source flattened
     (``{path: value}``) and ``(path, from, to)`` of each conversion.
-    ``legacy_only``: convert only the codes written without a format.
+    ``legacy_only``: convert only the codes written without a format (nothing
+    else is read: an exact load matches the rest as it is). ``signed``: by
+    path, whether the target's leaf is a signed statistic (``True``), an
+    unsigned one (``False``) or neither (``None``), for a full-precision target.
+
+    A ``format`` that cannot describe the source's leaf (a block or an axis its
+    codes and scales do not have, or the map of the other sign than the
+    target's statistic) is a :class:`~treeopt.errors.StateDictError` naming it.
 
     Example:
         >>> import jax.numpy as jnp
@@ -434,13 +448,17 @@ def converted_source(
         ([('mu', 'w', 'codes'), ('mu', 'w', 'format'), ('mu', 'w', 'scales')], (('mu/w', 'float32[64, 64]', '8-bit signed codes'),))
     """
     flat = flatten_paths(source)
+    signed = signed or {}
     done = []
     for path, unit in units.items():
-        found = _source_value(flat, path, unit)
+        if legacy_only and ((*path, FORMAT) in flat or (*path, CODES) not in flat):
+            continue  # not codes without a format: matched as it is, never decoded
+        target_signed = unit.format.signed if is_quantized(unit) else signed.get(path)
+        found = _source_value(flat, path, unit, target_signed)
         if found is None:
             continue
         value, described, same = found
-        if same or (legacy_only and not described.endswith("(no format)")):
+        if same:
             continue
         if tuple(np.shape(value)) != tuple(unit.shape) or not _floating(value):
             continue  # another shape: the engine reports the paths as they are
@@ -459,7 +477,9 @@ def converted_source(
     return flat, tuple(done)
 
 
-def _source_value(flat: Mapping[Path, Any], path: Path, unit: Any) -> tuple[Any, str, bool] | None:
+def _source_value(
+    flat: Mapping[Path, Any], path: Path, unit: Any, target_signed: bool | None = None
+) -> tuple[Any, str, bool] | None:
     """``(the source's value at path as floats, what it was, whether it is already the target's form)``."""
     if not (is_quantized(unit) or _floating(unit)):
         return None
@@ -476,14 +496,29 @@ def _source_value(flat: Mapping[Path, Any], path: Path, unit: Any) -> tuple[Any,
             return None
         value = legacy_decoded(codes, scales, shape, dtype, bits)
         return value, f"{bits}-bit codes (no format)", False
-    try:
-        source_fmt = Format.from_entry(fmt)
-    except ValueError:
+    source_fmt = _readable_format(path, fmt, codes, scales, shape, target_signed)
+    if source_fmt is None:
         return None
     if is_quantized(unit) and source_fmt == unit.format:
         return flat[(*path, CODES)], source_fmt.describe(), True
     q = QuantizedLeaf(jnp.asarray(codes), jnp.asarray(scales), shape=shape, dtype=dtype, format=source_fmt)
     return _decode(q), f"{source_fmt.bits}-bit {'signed' if source_fmt.signed else 'unsigned'} codes", False
+
+
+def _readable_format(
+    path: Path, entry: Any, codes: Any, scales: Any, shape: tuple[int, ...], target_signed: bool | None
+) -> Format | None:
+    """The source's format at ``path`` (``None``: a version the engine reports), or an error naming it: decoded
+    as a format that cannot describe the leaf says, its values would be wrong."""
+    try:
+        return Format.for_leaf(entry, shape, np.shape(codes), np.shape(scales), target_signed)
+    except ValueError as error:
+        got = f"format {np.asarray(entry).reshape(-1).tolist()}: {error}"
+        raise StateDictError.of(
+            f"The state dict's low-bit format cannot describe its leaf {path_str(path)} ({list(shape)})",
+            LoadReport(mismatched=((path_str((*path, FORMAT)), "a format that fits the leaf", got),)),
+            "The entry was edited or belongs to another leaf: a format travels with its codes and scales.",
+        ) from None
 
 
 _decode = jax.jit(lambda q: q.dequantize())

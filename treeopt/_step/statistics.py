@@ -9,6 +9,18 @@ exceptions: copies of the params (DoG's ``init_params``, schedule-free's
 sums), step sizes, previous gradients, L-BFGS memories, ``MultiSteps``'
 accumulator, and any field of a transformation this table does not know.
 
+Statistics that an update reads together through a difference stay at full
+precision: independent codes of each do not keep the difference. Centered
+RMSprop steps by ``nu - mu**2`` under a root (codes of each can make it
+negative, and the root NaN); Momo steps by ``<exp_avg, params> - gamma``
+against ``gamma``, an exact running ``<grad, params>`` (the codes' error,
+times the params, outweighs the difference). Sums, ratios and maxima of
+statistics are encoded each on its own, since the error of such a combination
+is bounded by its terms' (Adam's ``mu / sqrt(nu)``, Adan's ``m + (1 - b2) v``,
+AdEMAMix's ``m1 + alpha m2``, AMSGrad's ``max(nu_max, nu)``, AdaDelta's
+``e_x / e_g``, Sophia's ``mu / max(gamma nu, eps)``, AdaBelief's and ACProp's
+``(g - mu)**2``, a square of the gradient's distance from the mean).
+
 :data:`STATISTICS` names each known statistic by its state type and field,
 with its map: ``"signed"`` (moments, traces) or ``"unsigned"`` (second
 moments and sums of squares, never negative: their map has no zero level).
@@ -29,7 +41,7 @@ import functools
 import importlib
 import inspect
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -40,10 +52,12 @@ __all__ = [
     "FULL_PRECISION",
     "STATISTICS",
     "FieldRow",
+    "field_at",
     "field_table",
     "full_precision_reason",
     "markdown_table",
     "statistic_map",
+    "statistic_signs",
 ]
 
 SIGNED, UNSIGNED = "signed", "unsigned"
@@ -55,12 +69,11 @@ STATISTICS: dict[tuple[str, str], dict[str, str]] = {
     ("optax", "ScaleByBeliefState"): {"mu": SIGNED, "nu": UNSIGNED},
     ("optax", "ScaleByLionState"): {"mu": SIGNED},
     ("optax", "ScaleByRmsState"): {"nu": UNSIGNED},
-    ("optax", "ScaleByRStdDevState"): {"mu": SIGNED, "nu": UNSIGNED},
     ("optax._src.transform", "ScaleByRmsWithCountState"): {"nu": UNSIGNED},
     ("optax", "ScaleByRssState"): {"sum_of_squares": UNSIGNED},
     ("optax._src.transform", "ScaleByAdaDeltaState"): {"e_g": UNSIGNED, "e_x": UNSIGNED},
     ("optax", "ScaleByNovogradState"): {"mu": SIGNED},
-    ("optax", "ScaleBySM3State"): {"mu": SIGNED},
+    ("optax", "ScaleBySM3State"): {"nu": SIGNED},
     ("optax._src.transform", "ScaleByAdanState"): {"m": SIGNED, "v": SIGNED, "n": UNSIGNED},
     ("optax", "TraceState"): {"trace": SIGNED},
     ("optax", "EmaState"): {"ema": SIGNED},
@@ -71,8 +84,7 @@ STATISTICS: dict[tuple[str, str], dict[str, str]] = {
     ("optax.contrib", "SophiaState"): {"mu": SIGNED, "nu": SIGNED},
     ("optax.contrib", "DAdaptAdamWState"): {"exp_avg": SIGNED, "exp_avg_sq": UNSIGNED},
     ("optax.contrib", "ProdigyState"): {"exp_avg": SIGNED, "exp_avg_sq": UNSIGNED},
-    ("optax.contrib", "MomoState"): {"exp_avg": SIGNED},
-    ("optax.contrib", "MomoAdamState"): {"exp_avg": SIGNED, "exp_avg_sq": UNSIGNED},
+    ("optax.contrib", "MomoAdamState"): {"exp_avg_sq": UNSIGNED},
 }
 
 # Params-shaped fields that are not statistics, and why: "module state-type field: why", a line each.
@@ -103,7 +115,15 @@ optax._src.transform ScaleByOptimisticGradientState previous_gradient: the previ
 optax._src.transform ScaleByRpropState step_sizes: per-element step sizes
 optax._src.transform ScaleByRpropState prev_updates: the previous update
 optax.contrib GaLoreState projector: a projection basis
-optax ScaleBySM3State nu: SM3's cover of accumulated squares, small by design
+optax._src.factorized FactoredState v_row: a factored second moment, small by design
+optax._src.factorized FactoredState v_col: a factored second moment, small by design
+optax ScaleBySM3State mu: SM3's cover of accumulated squares, small by design
+optax ScaleByRStdDevState mu: read as nu - mu², which codes of each can make negative
+optax ScaleByRStdDevState nu: read as nu - mu², which codes of each can make negative
+optax._src.transform ScaleByRStdDevWithCountState mu: read as nu - mu², which codes of each can make negative
+optax._src.transform ScaleByRStdDevWithCountState nu: read as nu - mu², which codes of each can make negative
+optax.contrib MomoState exp_avg: read as exp_avg · params - gamma, a difference its codes do not keep
+optax.contrib MomoAdamState exp_avg: read as exp_avg · params - gamma, a difference its codes do not keep
 """
 FULL_PRECISION: tuple[tuple[str, str, str, str], ...] = tuple(
     (*head.split(), why.strip())  # type: ignore[misc]
@@ -182,6 +202,48 @@ def fields_by_path(opt_state: Any) -> dict[tuple[Any, ...], tuple[type, str]]:
     return out
 
 
+def statistic_signs(tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> list[bool | None]:
+    """For each leaf of ``tree`` (as ``is_leaf`` finds them), whether it is a known signed statistic (``True``), an
+    unsigned one (``False``) or neither (``None``): a leaf directly under the dict of a statistic's field.
+
+    Example:
+        >>> import jax.numpy as jnp, optax
+        >>> statistic_signs(optax.adam(1e-3).init({"w": jnp.zeros(2)}))
+        [None, True, False]
+    """
+    fields = fields_by_path(tree)
+    out: list[bool | None] = []
+    for path, _ in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]:
+        field = fields.get(tuple(path[:-1]))
+        kind = statistic_map(*field) if field is not None else None
+        out.append(None if kind is None else kind == "signed")
+    return out
+
+
+def field_at(opt_state: Any, path: tuple[Any, ...]) -> str:
+    """The field of ``opt_state`` at ``path`` in words: ``"Type.field"`` (a NamedTuple's or a dataclass's), or
+    ``"dict['key']"``; for a warning that names a state field treeopt does not know.
+
+    Example:
+        >>> import jax
+        >>> state = ({"stat": {"w": 0.0}},)
+        >>> field_at(state, (jax.tree_util.SequenceKey(0), jax.tree_util.DictKey("stat")))
+        "dict['stat']"
+        >>> field_at({"w": 0.0}, ())
+        'dict (the whole state)'
+    """
+    if not path:
+        return f"{type(opt_state).__name__} (the whole state)"
+    parent, key = _value_at(opt_state, path[:-1]), path[-1]
+    if isinstance(key, jax.tree_util.GetAttrKey):
+        return f"{type(parent).__name__}.{key.name}"
+    if isinstance(key, jax.tree_util.DictKey):
+        return f"{type(parent).__name__}[{key.key!r}]"
+    if isinstance(key, jax.tree_util.SequenceKey):
+        return f"{type(parent).__name__}[{key.idx}]"
+    return f"{type(parent).__name__}{key}"
+
+
 # -- the table of the docs -------------------------------------------------------------------------
 
 
@@ -194,8 +256,16 @@ class FieldRow(NamedTuple):
     """``"8/4-bit signed"``, ``"8/4-bit unsigned"``, or ``"full precision: <why>"``."""
 
 
+# Options that give an alias a state of another type: each is a row of its own in the table.
+VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "optax.sgd(momentum=0.9)": ("sgd", {"momentum": 0.9}),
+    "optax.rmsprop(centered=True)": ("rmsprop", {"centered": True}),
+    "optax.rmsprop(centered=True, bias_correction=True)": ("rmsprop", {"centered": True, "bias_correction": True}),
+}
+
+
 def transformations() -> Iterator[tuple[str, Callable[[], optax.GradientTransformation]]]:
-    """``(name, factory)`` of every optax alias and ``optax.contrib`` optimizer.
+    """``(name, factory)`` of every optax alias and ``optax.contrib`` optimizer, and of each of :data:`VARIANTS`.
 
     Found by listing the modules' functions, so a new optax brings its new
     optimizers: those that take a ``learning_rate`` (or wrap an optimizer),
@@ -212,6 +282,10 @@ def transformations() -> Iterator[tuple[str, Callable[[], optax.GradientTransfor
             factory = _factory(function)
             if factory is not None:
                 yield f"{module}.{name}", factory
+    for name, (alias, options) in VARIANTS.items():
+        factory = _factory(getattr(optax, alias), options)
+        if factory is not None:
+            yield name, factory
 
 
 def _aliases() -> list[str]:
@@ -222,10 +296,10 @@ def _aliases() -> list[str]:
     )
 
 
-def _factory(function: Callable[..., Any]) -> Callable[[], Any] | None:
-    kwargs: dict[str, Any] = {}
+def _factory(function: Callable[..., Any], options: Mapping[str, Any] | None = None) -> Callable[[], Any] | None:
+    kwargs: dict[str, Any] = dict(options or {})
     parameters = inspect.signature(function).parameters
-    if not {"learning_rate", "optimizer", "base_optimizer"} & set(parameters):
+    if not {"learning_rate", "optimizer", "base_optimizer"} & set(parameters) or not set(kwargs) <= set(parameters):
         return None
     for p in parameters.values():
         if p.default is not inspect.Parameter.empty or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
@@ -246,15 +320,26 @@ def _factory(function: Callable[..., Any]) -> Callable[[], Any] | None:
     return build
 
 
+TABLE_SHAPES: dict[str, tuple[int, ...]] = {"kernel": (128, 256), "square": (64, 64), "vector": (4096,)}
+"""The params the table is generated on: some transformations hold a field otherwise for other shapes
+(GaLore projects a kernel's moments to a shape of their own unless it is square; Adafactor factors
+large kernels)."""
+
+
 def field_table() -> list[FieldRow]:
-    """What ``state_bits`` holds each params-shaped state field of every optax optimizer in, by name.
+    """What ``state_bits`` holds each params-keyed state field of every optax optimizer in, by name.
+
+    Generated on the params of :data:`TABLE_SHAPES`; where a field is held
+    otherwise for one of them, its row says which shapes get what.
 
     Example:
         >>> rows = [row for row in field_table() if row.transformation == "optax.adam"]
         >>> [(row.field, row.held) for row in rows]
         [('ScaleByAdamState.mu', '8/4-bit signed'), ('ScaleByAdamState.nu', '8/4-bit unsigned')]
+        >>> [row.held for row in field_table() if row.transformation == "optax.contrib.galore"][0]
+        'full precision for (128, 256): not shaped like its param; 8/4-bit signed for (64, 64), (4096,)'
     """
-    params = {"w": jnp.zeros((64, 64))}
+    params = {name: jnp.zeros(shape) for name, shape in TABLE_SHAPES.items()}
     rows = []
     for name, factory in transformations():
         try:
@@ -269,16 +354,37 @@ def field_table() -> list[FieldRow]:
         seen = set()
         for path, (state_type, field) in fields_by_path(state).items():
             value = _value_at(state, path)
-            if not (isinstance(value, dict) and getattr(value.get("w"), "shape", None) == (64, 64)):
-                continue
             key = f"{state_type.__name__}.{field}"
-            if key in seen:
+            if not (isinstance(value, dict) and set(value) == set(params)) or key in seen:
                 continue
             seen.add(key)
-            kind = statistic_map(state_type, field)
-            reason = full_precision_reason(state_type, field) or "not a known running statistic"
-            rows.append(FieldRow(name, key, f"8/4-bit {kind}" if kind else f"full precision: {reason}"))
+            held = {shape: _held(state_type, field, value[n], shape) for n, shape in TABLE_SHAPES.items()}
+            rows.append(FieldRow(name, key, _by_shape(held)))
     return rows
+
+
+def _held(state_type: type, field: str, leaf: Any, shape: tuple[int, ...]) -> str:
+    """What ``state_bits`` makes of one param's leaf of ``state_type.field``."""
+    if isinstance(leaf, optax.MaskedNode):
+        return "no state (masked out)"
+    reason = full_precision_reason(state_type, field)
+    if getattr(leaf, "shape", None) != shape:
+        return f"full precision: {reason or 'not shaped like its param'}"
+    kind = statistic_map(state_type, field)
+    return f"8/4-bit {kind}" if kind else f"full precision: {reason or 'not a known running statistic'}"
+
+
+def _by_shape(held: Mapping[tuple[int, ...], str]) -> str:
+    """One ``held`` where every shape gets it, else each with the shapes that get it."""
+    groups: dict[str, list[str]] = {}
+    for shape, text in held.items():
+        groups.setdefault(text, []).append(str(shape))
+    if len(groups) == 1:
+        return next(iter(groups))
+    return "; ".join(
+        text.replace(":", f" for {', '.join(shapes)}:", 1) if ":" in text else f"{text} for {', '.join(shapes)}"
+        for text, shapes in groups.items()
+    )
 
 
 def markdown_table() -> str:
