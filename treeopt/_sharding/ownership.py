@@ -42,6 +42,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
+from treeopt._compat.optax_private import multi_steps_parts
 from treeopt._sharding.whole_leaf import Call, intercepted
 
 __all__ = ["Bucket", "owned_update", "owners", "plan"]
@@ -384,15 +385,11 @@ def _with_owned_inner(tx: Any, owned: Callable[[int], bool] | None) -> Any:
     multi = getattr(tx.update, "__self__", None)
     if not isinstance(multi, optax.MultiSteps):
         return tx
-    inner = multi._opt  # how optax.MultiSteps holds its transformation
+    parts = multi_steps_parts(multi)
+    inner = parts.opt
 
     def update(updates: Any, state: Any, params: Any = None, **extra: Any) -> Any:
         return owned_update(inner, updates, state, params, extra, owned=owned)
 
-    rebuilt = optax.MultiSteps(
-        optax.GradientTransformationExtraArgs(inner.init, update),
-        multi._every_k_schedule,
-        multi._use_grad_mean,
-        multi._should_skip_update_fn,
-    )
+    rebuilt = optax.MultiSteps(optax.GradientTransformationExtraArgs(inner.init, update), *parts[1:])
     return rebuilt.gradient_transformation()
