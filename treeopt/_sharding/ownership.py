@@ -26,8 +26,8 @@ dicts, checkpoints and restores onto another mesh are those of any ZeRO
 state. Off a mesh of several devices ``tx.update`` runs as it is.
 
 Example:
-    >>> plan([(1.0, 3), (8.0, 1)], devices=2)   # the dear matrix on device 0, the cheap ones mostly beside it
-    [[1, 2], [1, 0]]
+    >>> plan([(1.0, 3), (8.0, 1)], devices=2)   # the dear matrix on device 0, the three cheap ones on 1
+    [[0, 3], [1, 0]]
 """
 
 from __future__ import annotations
@@ -44,8 +44,9 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from treeopt._compat.optax_private import multi_steps_parts
 from treeopt._sharding.whole_leaf import Call, intercepted
+from treeopt._tree.paths import path_to_name
 
-__all__ = ["Bucket", "owned_update", "owners", "plan"]
+__all__ = ["Bucket", "call_names", "owned_update", "owners", "plan"]
 
 
 def plan(buckets: Sequence[tuple[float, int]], devices: int) -> list[list[int]]:
@@ -112,8 +113,8 @@ def owners(calls: Sequence[Call], devices: int) -> list[list[int]]:
         >>> params = {"a": jnp.ones((4, 4)), "b": jnp.ones((4, 4)), "c": jnp.ones((8, 8))}
         >>> with intercepted(lambda call: found.append(call) or call.leaf):
         ...     _ = tx.update(params, tx.init(params), params)
-        >>> owners(found, devices=2)   # a (4, 4) on each device (they stack, one a device), the (8, 8) on 0
-        [[0], [1], [0]]
+        >>> owners(found, devices=2)   # the dear (8, 8) on device 0, both (4, 4) on device 1
+        [[1], [1], [0]]
     """
     buckets = buckets_of(calls)
     counts = plan([(b.cost, b.count) for b in buckets], devices)
@@ -125,6 +126,38 @@ def owners(calls: Sequence[Call], devices: int) -> list[list[int]]:
             k = call.matrix_shape()[0]
             out[i] = slots[taken : taken + k]
             taken += k
+    return out
+
+
+def call_names(calls: Sequence[Call], grads: Any) -> list[str | None]:
+    """The parameter each call belongs to, read from ``grads`` (what ``tx.update`` was given).
+
+    optax maps a whole-leaf function over the leaves in tree order, so the
+    calls follow the params' names in order: each call takes the next name
+    whose param has the call's leaf's shape. ``None`` where no name is left.
+
+    Example:
+        >>> import jax.numpy as jnp, optax
+        >>> from treeopt._sharding.whole_leaf import intercepted
+        >>> found, tx = [], optax.contrib.muon(1e-2)
+        >>> grads = {"dense/kernel": jnp.ones((4, 8)), "dense/bias": jnp.ones(8), "out/kernel": jnp.ones((8, 2))}
+        >>> with intercepted(lambda call: found.append(call) or call.leaf):
+        ...     _ = tx.update(grads, tx.init(grads), grads)
+        >>> call_names(found, grads)
+        ['dense/kernel', 'out/kernel']
+    """
+    named = [
+        (path_to_name(path), tuple(jnp.shape(leaf)))
+        for path, leaf in jax.tree_util.tree_flatten_with_path(grads)[0]
+    ]
+    out: list[str | None] = []
+    at = 0
+    for call in calls:
+        shape = tuple(call.leaf.shape)
+        while at < len(named) and named[at][1] != shape:
+            at += 1
+        out.append(named[at][0] if at < len(named) else None)
+        at += 1
     return out
 
 
