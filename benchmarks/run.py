@@ -36,6 +36,7 @@ from benchmarks import (
     memory,
     memory_ladder,
     mixed_precision,
+    muon,
     nnx_loop,
     optimizer_only,
     retrace,
@@ -77,6 +78,10 @@ CASES: dict[str, tuple[str, Callable[..., list[Row]]]] = {
     "lowbit_maps": (
         "15. 4-bit signed map against the dynamic (torchao) map: first-moment error and final loss",
         lowbit_maps.run,
+    ),
+    "muon": (
+        "16. Muon under data parallelism: one owner a matrix, 8 virtual CPU devices (ms per step), own process",
+        muon.run,
     ),
 }
 

@@ -173,3 +173,83 @@ def test_owners_balance_a_model_of_mixed_shapes():
         for d in devices:
             work[d] += call.entry.cost(m, n)
     assert max(work) / (sum(work) / 8) <= 1.25, work
+
+
+# -- 8-bit momentum ------------------------------------------------------------------------------------
+
+D_IN, HIDDEN = 64, 128
+TEACHER = {
+    "w1": jax.random.normal(jax.random.key(7), (D_IN, HIDDEN)) / D_IN**0.5,
+    "w2": jax.random.normal(jax.random.key(8), (HIDDEN, D_IN)) / HIDDEN**0.5,
+}
+
+
+def mlp(params, x):
+    return jnp.tanh(x @ params["w1"]) @ params["w2"]
+
+
+def noisy_teacher_loss(params, x):
+    """The teacher's outputs plus a part no student fits (a loss floor, as real data has)."""
+    return jnp.mean((mlp(params, x) - mlp(TEACHER, x) - 0.3 * jnp.sin(17.0 * x)) ** 2)
+
+
+def student():
+    return {
+        "w1": jax.random.normal(jax.random.key(1), (D_IN, HIDDEN)) / D_IN**0.5,
+        "w2": jax.random.normal(jax.random.key(2), (HIDDEN, D_IN)) / HIDDEN**0.5,
+    }
+
+
+def test_8bit_muon_momentum_trains_like_float32_in_an_eighth_of_a_byte_a_param_per_device():
+    @jax.jit
+    def train_step(params, opt, i):
+        x = jax.random.normal(jax.random.fold_in(jax.random.key(1), i), (64, D_IN))
+        loss, grads = jax.value_and_grad(noisy_teacher_loss)(params, x)
+        return opt.update(grads, params), opt, loss
+
+    final = {}
+    for bits in (None, 8):
+        params, opt, losses = (
+            student(),
+            treeopt.Optimizer(optax.contrib.muon(0.02), state_bits=bits).init(student()),
+            [],
+        )
+        for i in range(300):
+            params, opt, loss = train_step(params, opt, i)
+            losses.append(float(loss))
+        final[bits] = float(np.mean(losses[-50:]))
+    assert type(opt.opt_state.inner_states["muon"].inner_state[0].mu["w1"]).__name__ == "QuantizedLeaf"
+    assert abs(final[8] / final[None] - 1) < 0.01, final
+
+    mesh = mesh_of("explicit")
+    specs = {name: P() for name in TEACHER}
+    params = jax.device_put(student(), named_shardings(specs, mesh))
+    owned = init_sharded(
+        treeopt.Optimizer(optax.contrib.muon(0.02), state_bits=8),
+        params,
+        mesh,
+        specs,
+        shard_state_over="data",
+    )
+    device = jax.devices()[0]
+    held = sum(
+        s.data.nbytes
+        for x in jax.tree.leaves(owned.opt_state)
+        for s in x.addressable_shards
+        if s.device == device
+    )
+    assert held / sum(x.size for x in jax.tree.leaves(params)) <= 0.25
+    with jax.set_mesh(mesh):
+        for i in range(2):
+            params, owned = jax.jit(step)(
+                params, owned, jax.device_put(grads_at(student(), i), named_shardings(specs, mesh))
+            )
+    want, _ = one_device_8bit(student(), 2)
+    assert_close(params, want)
+
+
+def one_device_8bit(params, steps):
+    opt = treeopt.Optimizer(optax.contrib.muon(0.02), state_bits=8).init(params)
+    for i in range(steps):
+        params, opt = jax.jit(step)(params, opt, grads_at(student(), i))
+    return params, opt

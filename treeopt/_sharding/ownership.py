@@ -244,7 +244,11 @@ def owned_results(calls: Sequence[Call], mesh: Any) -> list[Any]:
             else:
                 part = jnp.concatenate([jax.lax.slice_in_dim(out, p, p + 1, axis=0) for p in at], axis=0)
             result = call.from_matrices(part).astype(call.leaf.dtype)
-            results[i] = result if explicit else _place(result, mesh, _split(call, mesh), False)
+            if explicit:  # the bucket's layout may be another call's: each result in its own leaf's
+                leaf_layout = _spec_of(call.leaf)
+                results[i] = result if _spec_of(result) == leaf_layout else _place(result, mesh, leaf_layout, True)
+            else:
+                results[i] = _place(result, mesh, _split(call, mesh), False)
     return results
 
 
