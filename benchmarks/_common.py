@@ -62,6 +62,8 @@ class Profile:
         ("transformer 27M params (6 layers x 512, vocab 16k)", 16_384, 512, 6, 2_048, 2, 10),
     )
     zero_optimizer: str = "adam"
+    # case 17: (layers, d_model, d_ff, timed steps): Llama 3.2 1B's matrices
+    gpu_muon_config: tuple[int, int, int, int] = (16, 2048, 8192, 20)
     # case 16: (label, matrices, width, Newton-Schulz steps, warmup, timed steps)
     muon_configs: Sequence[tuple[str, int, int, int, int, int]] = (("8 matrices of 512 x 512", 8, 512, 5, 2, 10),)
     nnx: bool = True
@@ -130,6 +132,7 @@ SMOKE = Profile(
     nnx_loop_configs=(("2 blocks x 4 (BatchNorm, Dropout)", 2, 4, 4, 1, 2, 2),),
     zero_configs=(("transformer 1 layer x 16, vocab 64", 64, 16, 1, 32, 1, 2),),
     muon_configs=(("8 matrices of 32 x 32", 8, 32, 5, 1, 2),),
+    gpu_muon_config=(2, 16, 64, 2),
 )
 
 

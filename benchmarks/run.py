@@ -30,6 +30,7 @@ from benchmarks import (
     eager,
     gpu_bandwidth,
     gpu_lowbit,
+    gpu_muon,
     lowbit_maps,
     lowbit_speed,
     many_leaves,
@@ -83,6 +84,7 @@ CASES: dict[str, tuple[str, Callable[..., list[Row]]]] = {
         "16. Muon under data parallelism: one owner a matrix, 8 virtual CPU devices (ms per step), own process",
         muon.run,
     ),
+    "gpu_muon": ("17. GPU: what one data-parallel device pays for Muon, owned or not (ms per step)", gpu_muon.run),
 }
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import _common, gpu_bandwidth, gpu_lowbit, memory_ladder, run, train_step
+from benchmarks import _common, gpu_bandwidth, gpu_lowbit, gpu_muon, memory_ladder, run, train_step
 
 CASE_VARIANTS = {
     "train_step": {"optax", "treeopt", "TrainState", "nnx split/merge", "nnx.jit"},
@@ -179,7 +179,7 @@ def check_memory_ladder_parts(r: dict) -> None:
 
 
 def check_gpu_case_skips_cleanly_without_a_gpu(results: dict) -> None:
-    for case in ("gpu_bandwidth", "gpu_lowbit"):
+    for case in ("gpu_bandwidth", "gpu_lowbit", "gpu_muon"):
         first, *_ = rows(results, case)
         if first["variant"].startswith("no GPU"):
             assert first["value"] is None
@@ -230,6 +230,16 @@ def test_gpu_lowbit_case_code_path_runs_on_any_backend() -> None:
             r.extra["lower_bound_bytes"] == gpu_lowbit.lower_bound_bytes_per_param(bits) * r.extra["n_params"]
         )
     assert [gpu_lowbit.lower_bound_bytes_per_param(b) for b in (None, 8, 4)] == [28, 16.0625, 14.125]
+
+
+def test_gpu_muon_case_code_path_runs_on_any_backend() -> None:
+    measured = gpu_muon.run(_common.SMOKE, log=lambda _: None, force=True)
+    by_variant = {r.variant: r for r in measured}
+    assert list(by_variant) == ["AdamW, all params", "Muon, all matrices", "Muon, one owner's share of 8"]
+    assert all(r.value is not None and r.value > 0 for r in measured)
+    everything, share = by_variant["Muon, all matrices"].extra, by_variant["Muon, one owner's share of 8"].extra
+    # 2 layers of 4 attention and 3 MLP matrices over 8 owners: device 0 holds one or two of the 14.
+    assert everything["matrices"] == 14 and 1 <= share["matrices"] <= 2
 
 
 def test_markdown_table_has_one_line_per_row() -> None:
