@@ -43,10 +43,11 @@ import optax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from treeopt._compat.optax_private import multi_steps_parts
+from treeopt._sharding.specs import is_self_specified
 from treeopt._sharding.whole_leaf import Call, intercepted
 from treeopt._tree.paths import path_to_name
 
-__all__ = ["Bucket", "call_names", "owned_update", "owners", "plan"]
+__all__ = ["Bucket", "OwnedLeaf", "call_names", "owned_update", "owners", "plan", "whole_leaves"]
 
 
 def plan(buckets: Sequence[tuple[float, int]], devices: int) -> list[list[int]]:
@@ -126,6 +127,86 @@ def owners(calls: Sequence[Call], devices: int) -> list[list[int]]:
             k = call.matrix_shape()[0]
             out[i] = slots[taken : taken + k]
             taken += k
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class OwnedLeaf:
+    """A parameter whose update reads its matrices whole, and the device that computes each.
+
+    Attributes:
+        param: the parameter's name (``None`` where it could not be told).
+        what: the whole-leaf computation, e.g. ``"Muon's Newton-Schulz orthogonalization"``.
+        matrices: how many independent matrices it holds (a stacked leaf's layers).
+        shape: each matrix's ``(m, n)``, ``m <= n``.
+        batch_axes: the param's axes that hold its matrices side by side.
+        owners: the mesh device (in the mesh's order) that computes each matrix;
+            empty where the computation is not owned (``owned=`` said so).
+
+    Example:
+        >>> OwnedLeaf("dense/kernel", "Muon's Newton-Schulz orthogonalization", 1, (64, 128), (), (3,)).cost
+        524288.0
+    """
+
+    param: str | None
+    what: str
+    matrices: int
+    shape: tuple[int, int]
+    batch_axes: tuple[int, ...]
+    owners: tuple[int, ...]
+
+    @property
+    def cost(self) -> float:
+        """The work of one matrix, as ownership weighs it: ``max(m, n) * min(m, n) ** 2``."""
+        m, n = self.shape
+        return float(max(m, n) * min(m, n) ** 2)
+
+
+def whole_leaves(
+    tx: Any,
+    opt_state: Any,
+    avals: Mapping[str, Any],
+    devices: int,
+    owned: Callable[[str | None], bool] | None = None,
+) -> list[OwnedLeaf]:
+    """The parameters whose update under ``tx`` reads matrices whole, and their owners among ``devices``.
+
+    ``tx.update`` is evaluated on shapes only (``jax.eval_shape``), on the
+    params' shapes and dtypes ``avals`` (``{name: ShapeDtypeStruct}``) and
+    ``opt_state`` (concrete or abstract; a low-bit leaf read as the array it
+    stands for). A transformation that cannot update on shapes alone (one
+    that needs ``value=``) has none. ``owned(name)`` says whether a
+    parameter's matrices are owned (``None``: all are).
+
+    Example:
+        >>> import jax, jax.numpy as jnp, optax
+        >>> tx = optax.contrib.muon(1e-2)
+        >>> avals = {"w": jax.ShapeDtypeStruct((8, 4), jnp.float32), "b": jax.ShapeDtypeStruct((4,), jnp.float32)}
+        >>> [(leaf.param, leaf.shape, leaf.owners) for leaf in whole_leaves(tx, jax.eval_shape(tx.init, avals), avals, 2)]
+        [('w', (4, 8), (0,))]
+    """
+    state = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(tuple(x.shape), x.dtype), opt_state, is_leaf=is_self_specified
+    )
+    calls: list[Call] = []
+
+    def record(call: Call) -> Any:
+        calls.append(call)
+        return call.leaf
+
+    try:
+        with intercepted(record):
+            jax.eval_shape(lambda g, s: tx.update(g, s, g), dict(avals), state)
+    except Exception:  # an update that needs more than shapes (value=, ...): nothing found
+        return []
+    names = call_names(calls, dict(avals))
+    chosen = [i for i, name in enumerate(names) if owned is None or owned(name)]
+    assigned = dict(zip(chosen, owners([calls[i] for i in chosen], devices), strict=True))
+    out = []
+    for i, (call, name) in enumerate(zip(calls, names, strict=True)):
+        k, m, n = call.matrix_shape()
+        batch = call.axes()[0]
+        out.append(OwnedLeaf(name, call.entry.what, k, (m, n), batch, tuple(assigned.get(i, ()))))
     return out
 
 
@@ -246,7 +327,9 @@ def owned_results(calls: Sequence[Call], mesh: Any) -> list[Any]:
             result = call.from_matrices(part).astype(call.leaf.dtype)
             if explicit:  # the bucket's layout may be another call's: each result in its own leaf's
                 leaf_layout = _spec_of(call.leaf)
-                results[i] = result if _spec_of(result) == leaf_layout else _place(result, mesh, leaf_layout, True)
+                results[i] = (
+                    result if _spec_of(result) == leaf_layout else _place(result, mesh, leaf_layout, True)
+                )
             else:
                 results[i] = _place(result, mesh, _split(call, mesh), False)
     return results

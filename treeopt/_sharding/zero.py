@@ -168,6 +168,19 @@ class ZeroReport:
     axes: tuple[str, ...]
     axis_sizes: Mapping[str, int]
     leaves: tuple[ZeroLeaf, ...]
+    owned: tuple[Any, ...] = ()
+    """The params whose update reads matrices whole, each with the device that computes each matrix
+    (:class:`treeopt._sharding.ownership.OwnedLeaf`)."""
+
+    def work_balance(self) -> float | None:
+        """The most loaded device's whole-leaf work over the mean device's (1.0: even); ``None`` without any."""
+        devices = math.prod(self.axis_sizes.values())
+        work = [0.0] * devices
+        for leaf in self.owned:
+            for d in leaf.owners:
+                work[d] += leaf.cost
+        total = sum(work)
+        return max(work) / (total / devices) if total else None
 
     @property
     def sharded(self) -> list[ZeroLeaf]:
@@ -203,7 +216,27 @@ class ZeroReport:
         lines.append(f"not sharded ({_n_leaves(len(self.unsharded))}):")
         for leaf in self.unsharded:
             lines.append(f"  {leaf.path:<{width}}  {leaf.shape!s:<14} {leaf.spec}  {leaf.reason}")
+        if self.owned:
+            balance = self.work_balance()
+            shown = f"; work max/mean {balance:.2f}" if balance is not None else ""
+            lines.append(f"owned, one device a matrix ({len(self.owned)} params{shown}):")
+            name_width = max(len(str(leaf.param)) for leaf in self.owned)
+            for leaf in self.owned:
+                m, n = leaf.shape
+                size = f"{leaf.matrices} x ({m}, {n})" if leaf.matrices > 1 else f"({m}, {n})"
+                where = _devices(leaf.owners) if leaf.owners else "every device (owned=False)"
+                lines.append(f"  {leaf.param!s:<{name_width}}  {size:<16} {where}  ({leaf.what})")
         return "\n".join(lines)
+
+
+def _devices(owners: Sequence[int]) -> str:
+    """``"device 3"``, ``"devices 0-7"``, ``"devices 0, 2, 5"``."""
+    found = sorted(set(owners))
+    if len(found) == 1:
+        return f"device {found[0]}"
+    if found == list(range(found[0], found[-1] + 1)):
+        return f"devices {found[0]}-{found[-1]}"
+    return "devices " + ", ".join(str(d) for d in found)
 
 
 def _n_leaves(n: int) -> str:
@@ -313,8 +346,14 @@ def zero_plan(
     param_specs: Mapping[str, PartitionSpec],
     shard_state_over: str | Sequence[str],
     mesh: Any,
+    whole: Sequence[Any] = (),
 ) -> tuple[dict[str, Any], ZeroReport]:
     """ZeRO-1: ``({part: treedef}, report)``, the report holding each leaf's spec with and without.
+
+    ``whole`` are the params whose update reads matrices whole
+    (:class:`treeopt._sharding.ownership.OwnedLeaf`): a stacked one's state
+    is split along its layers where they divide, so each owner holds its
+    matrices whole, and the report lists their owners.
 
     ``parts`` are the parts of an optimizer's state by name (``{"opt_state":
     ..., "master": ...}``). Every floating-point leaf that belongs to a
@@ -329,7 +368,10 @@ def zero_plan(
     treedefs, out = {}, []
     shapes = {name: tuple(shape) for name, (shape, _) in zip(layout.names, layout.avals, strict=True)}
     planned = {part: state_leaf_specs(tree, layout, param_specs, sizes)[1] for part, tree in parts.items()}
-    preferred = _preferred_dims(planned, shapes, param_specs, axes, sizes)
+    layers = {
+        leaf.param: list(leaf.batch_axes) for leaf in whole if leaf.param is not None and leaf.batch_axes
+    }
+    preferred = _preferred_dims(planned, shapes, param_specs, axes, sizes, layers)
     for part, tree in parts.items():
         treedefs[part] = jax.tree.structure(tree)
         for path, leaf, param, spec in planned[part]:
@@ -354,7 +396,7 @@ def zero_plan(
                         zero_spec, dim, reason = along
             where = part + jax.tree_util.keystr(path)
             out.append(ZeroLeaf(where, param, shape, dtype, spec, zero_spec, dim, reason))
-    return treedefs, ZeroReport(axes, sizes, tuple(out))
+    return treedefs, ZeroReport(axes, sizes, tuple(out), tuple(whole))
 
 
 def _preferred_dims(
@@ -363,15 +405,23 @@ def _preferred_dims(
     param_specs: Mapping[str, PartitionSpec],
     axes: Sequence[str],
     sizes: Mapping[str, int],
+    layers: Mapping[str, Sequence[int]],
 ) -> dict[str, list[int]]:
-    """``{param: [the axis its low-bit leaves take]}`` for the params that have low-bit leaves."""
+    """``{param: [the axis its leaves take]}``: a stacked whole-leaf param's layers where they divide, and the
+    axis a param's low-bit leaves may take (among its layers, if they may)."""
     shards = math.prod(sizes[a] for a in axes)
     out: dict[str, list[int]] = {}
+    for param, dims in layers.items():
+        chosen = zero_leaf_spec(shapes[param], param_specs[param], axes, sizes, dims=dims)
+        if chosen.dim is not None:
+            out[param] = [chosen.dim]
     for leaves in planned.values():
         for _, leaf, param, _ in leaves:
-            if param is None or not is_self_specified(leaf) or param in out:
+            if param is None or not is_self_specified(leaf) or (param in out and param not in layers):
                 continue
             allowed = leaf.zero_axes(param_specs[param], shards, sizes)
+            if param in out:  # a stacked param's layers, if its codes may be split there
+                allowed = [a for a in allowed if a in out[param]] or allowed
             chosen = zero_leaf_spec(shapes[param], param_specs[param], axes, sizes, dims=allowed)
             if chosen.dim is not None:
                 out[param] = [chosen.dim]
