@@ -221,11 +221,11 @@ class ZeroReport:
             shown = f"; work max/mean {balance:.2f}" if balance is not None else ""
             lines.append(f"owned, one device a matrix ({len(self.owned)} params{shown}):")
             name_width = max(len(str(leaf.param)) for leaf in self.owned)
-            for leaf in self.owned:
-                m, n = leaf.shape
-                size = f"{leaf.matrices} x ({m}, {n})" if leaf.matrices > 1 else f"({m}, {n})"
-                where = _devices(leaf.owners) if leaf.owners else "every device (owned=False)"
-                lines.append(f"  {leaf.param!s:<{name_width}}  {size:<16} {where}  ({leaf.what})")
+            for owned in self.owned:
+                m, n = owned.shape
+                held = f"{owned.matrices} x ({m}, {n})" if owned.matrices > 1 else f"({m}, {n})"
+                where = _devices(owned.owners) if owned.owners else "every device (owned=False)"
+                lines.append(f"  {owned.param!s:<{name_width}}  {held:<16} {where}  ({owned.what})")
         return "\n".join(lines)
 
 
