@@ -9,7 +9,9 @@
   ```` ```python ```` is executed, in page order, in one namespace per page
   (in the slow tier: ``python -m pytest -n 2 -m slow``). Blocks that only show
   code (other libraries, fragments) are marked ```` ```py ````, which renders
-  the same.
+  the same. Each page runs in a fresh Python without the test run's
+  ``XLA_FLAGS``, as a reader pastes it: a page that needs several devices
+  sets them at its top.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import inspect
 import json
 import os
 import re
+import subprocess
 import sys
 import textwrap
 import types
@@ -267,10 +270,14 @@ _LINK = re.compile(r"(?<!!)\[(?P<text>[^\]]+)\]\((?P<target>[^)#\s]+)(?:#[^)\s]*
 
 
 def test_the_index_points_to_every_part_of_the_site():
-    """"Where to go next" links every page at the top of the nav, and a page of every section."""
+    """ "Where to go next" links every page at the top of the nav, and a page of every section."""
     index = (DOCS / "index.md").read_text()
     linked = {m["target"] for m in _LINK.finditer(index.split("## Where to go next", 1)[1])}
-    missing = [title for title, pages in _top_level_entries(_config()) if pages != ["index.md"] and not linked & set(pages)]
+    missing = [
+        title
+        for title, pages in _top_level_entries(_config())
+        if pages != ["index.md"] and not linked & set(pages)
+    ]
     assert not missing, f'docs/index.md\'s "Where to go next" does not link: {missing}'
 
 
@@ -330,27 +337,44 @@ def test_every_notebook_is_in_the_docs():
 
 # -- the guides run ----------------------------------------------------------------
 
+
 def test_python_blocks_are_found():
     text = 'a\n```python\nx = 1\n```\n```py\nskipped\n```\n    ```python title="t"\n    y = 2\n    ```\n'
     assert python_blocks(text) == [(3, "x = 1\n"), (9, "y = 2\n")]
 
 
+# Each page runs in a fresh Python, as a reader pastes it: in page order, in one namespace, in a
+# real module (classes defined on the page, dataclasses and flax structs, find it), and without
+# this run's XLA_FLAGS: a page that needs several devices sets them itself, before JAX starts.
+# Its blocks are compiled padded with newlines, so tracebacks point at the page's own lines.
+_PASTED = """
+import json, sys, types, warnings
+warnings.filterwarnings("error", r"treeopt\\..* moved", DeprecationWarning)
+page, name, blocks = json.loads(sys.argv[1])
+module = types.ModuleType(name)
+sys.modules[name] = module
+for line, code in blocks:
+    exec(compile("\\n" * (line - 1) + code, page, "exec", dont_inherit=True), module.__dict__)
+"""
+
+
 @pytest.mark.slow  # over a minute of compiling in all: the slow tier (-m slow) runs them
 @pytest.mark.parametrize("page", RUNNABLE_PAGES)
-def test_guide_runs(page, monkeypatch, tmp_path):
+def test_guide_runs(page, tmp_path):
     path = DOCS / page
     assert path.is_file(), f"docs/{page} is listed as runnable but does not exist"
     blocks = python_blocks(path.read_text())
     assert blocks, f"docs/{page} has no ```python block"
-    monkeypatch.chdir(tmp_path)  # anything a guide writes lands in a temporary folder
-    # A real module, so classes defined on the page (dataclasses, flax structs) can find it.
-    module = types.ModuleType("docs_" + re.sub(r"\W", "_", page.removesuffix(".md")))
-    monkeypatch.setitem(sys.modules, module.__name__, module)
-    for line, code in blocks:
-        # Pad with newlines so tracebacks point at the page's own line numbers; do not
-        # inherit this file's `from __future__ import annotations`.
-        source = "\n" * (line - 1) + code
-        exec(compile(source, f"docs/{page}", "exec", dont_inherit=True), module.__dict__)
+    name = "docs_" + re.sub(r"\W", "_", page.removesuffix(".md"))
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    done = subprocess.run(
+        [sys.executable, "-c", _PASTED, json.dumps([f"docs/{page}", name, blocks])],
+        cwd=tmp_path,  # anything a guide writes lands in a temporary folder
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, f"docs/{page}:\n{done.stderr[-4000:]}"
 
 
 # -- numbers the README repeats ------------------------------------------------------
@@ -365,7 +389,11 @@ def test_readme_counts_the_parity_list():
 
 def test_readme_quotes_the_measured_nnx_figures():
     """The README's nnx.Optimizer ratios are those of docs/benchmarks.md's results, not a rounding of them."""
-    row = next(line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith("| `flax.nnx.Optimizer`"))
+    row = next(
+        line
+        for line in (ROOT / "README.md").read_text().splitlines()
+        if line.startswith("| `flax.nnx.Optimizer`")
+    )
     results = (DOCS / "benchmarks.md").read_text().split("## Results", 1)[1]
     measured = next(line for line in results.splitlines() if line.startswith("| `flax.nnx.Optimizer`"))
     figures = re.findall(r"(`nnx\.jit`|split/merge) (\d[\d.]*\u2013\d[\d.]*\u00d7)", row)
@@ -403,7 +431,16 @@ def _long_code_lines(text: str) -> list[tuple[int, int, str]]:
 
 def test_long_code_lines_are_found():
     grid = '<div class="grid" markdown>\n\n```py\n' + "g" * 54 + "\n```\n\n</div>\n"
-    text = "```python\n" + "x" * 80 + "\n" + "y" * 81 + "\n```\n```{.text .output}\n" + "z" * 99 + "\n```\n" + grid
+    text = (
+        "```python\n"
+        + "x" * 80
+        + "\n"
+        + "y" * 81
+        + "\n```\n```{.text .output}\n"
+        + "z" * 99
+        + "\n```\n"
+        + grid
+    )
     assert _long_code_lines(text) == [(3, 81, "y" * 81), (11, 54, "g" * 54)]
 
 
@@ -412,7 +449,6 @@ def test_code_lines_show_whole_at_1280px(page):
     """No code line hides behind a horizontal scrollbar on a 1280 px screen."""
     long = _long_code_lines((DOCS / page).read_text())
     assert not long, f"docs/{page}: code lines wider than the column: {long}"
-
 
 
 def test_notebook_section_headings_have_no_inline_code():
