@@ -377,6 +377,51 @@ def test_guide_runs(page, tmp_path):
     assert done.returncode == 0, f"docs/{page}:\n{done.stderr[-4000:]}"
 
 
+# -- readers are pointed to public names ---------------------------------------------
+
+# A private module of treeopt (treeopt._step.statistics, treeopt/_sharding/zero.py), a test
+# folder or file of this repository (tests/sharding/test_zero.py, test_zero.py): names a reader
+# of the guides cannot import, or that say where a check lives instead of what it checks.
+_PRIVATE_NAME = re.compile(r"\btreeopt[./]_\w[\w./]*|(?<![\w/.])tests/[\w./]*|\btest_\w+\.py\b")
+
+
+def private_names(text: str) -> list[str]:
+    """The private modules and test paths ``text`` names, prose and code alike."""
+    return _PRIVATE_NAME.findall(text)
+
+
+def test_private_names_are_found():
+    text = (
+        "See `treeopt/_step/statistics.py`, `treeopt._sharding.zero` and `tests/sharding/test_zero.py`;\n"
+        "`python -m pytest tests/project` runs test_docs.py.\n"
+        "Public: `treeopt.partitioning.zero_report`, `treeopt.nnx`, T5X's `optimizers_test.py`, "
+        "`docs/migration/from-nnx.md`, `benchmarks/record.json`, my_tests/x.\n"
+    )
+    assert private_names(text) == [
+        "treeopt/_step/statistics.py",
+        "treeopt._sharding.zero",
+        "tests/sharding/test_zero.py",
+        "tests/project",
+        "test_docs.py",
+    ]
+
+
+def _reader_pages() -> list[str]:
+    """The site's pages a reader reads as written: guides and notebooks, not the generated API reference."""
+    pages = [p for p in DOCS.rglob("*.md") if "api" not in p.relative_to(DOCS).parts]
+    return sorted(p.relative_to(ROOT).as_posix() for p in [*pages, *(ROOT / "notebooks").glob("*.ipynb")])
+
+
+@pytest.mark.parametrize("page", _reader_pages())
+def test_pages_name_no_private_module_or_test_file(page):
+    """Pages once sent readers to treeopt/_step/statistics.py and tests/sharding/test_zero.py."""
+    named = private_names((ROOT / page).read_text())
+    assert not named, (
+        f"{page} names private modules or test files {named}: name the public function, page or command "
+        "instead, or say what the test suite checks"
+    )
+
+
 # -- numbers the README repeats ------------------------------------------------------
 
 
@@ -407,7 +452,9 @@ def test_readme_quotes_the_measured_nnx_figures():
 # Characters of code a page's column shows whole at a 1280 px wide window, in the
 # theme's code font (measured in Chromium: 656 px of text at 8.16 px a character),
 # and in one column of a side-by-side grid on a page without its table of contents
-# (docs/stylesheets/extra.css). Program output, fenced as ```{.text .output}, wraps instead.
+# (docs/stylesheets/extra.css). Program output, fenced as ```{.text .output}, wraps instead, at
+# spaces: a message's long lines read on, but a row of aligned columns (a report's) wrapped
+# mid-row is no longer a row, so those must fit as code does.
 CODE_COLUMNS = 80
 GRID_COLUMNS = 53
 _GRID = re.compile(r'<div class="grid" markdown>.*?</div>', re.S)
@@ -449,6 +496,87 @@ def test_code_lines_show_whole_at_1280px(page):
     """No code line hides behind a horizontal scrollbar on a 1280 px screen."""
     long = _long_code_lines((DOCS / page).read_text())
     assert not long, f"docs/{page}: code lines wider than the column: {long}"
+
+
+def _long_output_rows(text: str) -> list[tuple[int, int, str]]:
+    """``(line number, length, line)`` of each row of aligned columns in program output too wide to show whole."""
+    found = []
+    for match in FENCE.finditer(text):
+        if not re.search(r"\.output\b", match["info"]):
+            continue
+        first = text.count("\n", 0, match.start("body")) + 1
+        for offset, line in enumerate(textwrap.dedent(match["body"]).splitlines()):
+            if len(line) > CODE_COLUMNS and re.search(r"\S {2,}\S", line):
+                found.append((first + offset, len(line), line))
+    return found
+
+
+def test_long_output_rows_are_found():
+    row = "  opt_state[0].mu['w']  (8, 32)  " + "P(None, 'model') -> P('data', 'model')  (dimension 0)" * 2
+    text = (
+        "```{.text .output}\n" + "a message of words " * 6 + "\n" + row + "\n  short  row\n```\n"
+        "```python\n" + row + "\n```\n"
+    )
+    assert _long_output_rows(text) == [(3, len(row), row)]
+
+
+@pytest.mark.parametrize("page", sorted(p.relative_to(DOCS).as_posix() for p in DOCS.rglob("*.md")))
+def test_output_rows_show_whole_at_1280px(page):
+    """The zero_report shown on the Sharding page once wrapped mid-row at 1280 px."""
+    long = _long_output_rows((DOCS / page).read_text())
+    assert not long, f"docs/{page}: rows of program output wider than the column, wrapped mid-row: {long}"
+
+
+def shown_outputs(text: str) -> list[tuple[int, str]]:
+    """``(n, output)`` of each output block right after a ```python block: the ``n``-th of ``python_blocks``."""
+    found: list[tuple[int, str]] = []
+    n, end_of_python = -1, None
+    for match in FENCE.finditer(text):
+        info = match["info"].strip().split()
+        if info and info[0] in ("python", "{.python"):
+            n, end_of_python = n + 1, match.end()
+        elif re.search(r"\.output\b", match["info"]) and end_of_python is not None:
+            if not text[end_of_python : match.start()].strip():
+                found.append((n, textwrap.dedent(match["body"])))
+            end_of_python = None
+        else:
+            end_of_python = None
+    return found
+
+
+def test_shown_outputs_are_found():
+    text = (
+        "```python\nprint(1)\n```\n```{.text .output}\n1\n```\n"
+        "```python\nx = 2\n```\nprose\n```{.text .output}\nnot printed by x = 2\n```\n"
+        "```py\nprint(3)\n```\n```{.text .output}\n3\n```\n"
+    )
+    assert shown_outputs(text) == [(0, "1\n")]
+
+
+@pytest.mark.slow  # runs the page up to the block: the slow tier (-m slow) runs the pages
+@pytest.mark.parametrize(
+    "page", sorted(p.relative_to(DOCS).as_posix() for p in DOCS.rglob("*.md") if shown_outputs(p.read_text()))
+)
+def test_shown_output_is_what_the_code_prints(page, tmp_path):
+    """An output block right after a ```python block is what that block prints, run as the page runs."""
+    text = (DOCS / page).read_text()
+    blocks, shown = python_blocks(text), dict(shown_outputs(text))
+    program: list[tuple[int, str]] = []
+    for n, block in enumerate(blocks[: max(shown) + 1]):
+        marked = n in shown
+        program += [(1, f"print('<<{n}>>')")] * marked + [block] + [(1, f"print('<</{n}>>')")] * marked
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    done = subprocess.run(
+        [sys.executable, "-c", _PASTED, json.dumps([f"docs/{page}", "docs_page", program])],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, f"docs/{page}:\n{done.stderr[-4000:]}"
+    for n, output in shown.items():
+        printed = done.stdout.split(f"<<{n}>>\n", 1)[1].split(f"<</{n}>>\n", 1)[0]
+        assert printed.rstrip() == output.rstrip(), f"docs/{page}: block {n} prints\n{printed}\nnot\n{output}"
 
 
 def test_notebook_section_headings_have_no_inline_code():
