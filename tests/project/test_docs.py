@@ -382,7 +382,7 @@ def test_guide_runs(page, tmp_path):
 # A private module of treeopt (treeopt._step.statistics, treeopt/_sharding/zero.py), a test
 # folder or file of this repository (tests/sharding/test_zero.py, test_zero.py): names a reader
 # of the guides cannot import, or that say where a check lives instead of what it checks.
-_PRIVATE_NAME = re.compile(r"\btreeopt[./]_\w[\w./]*|(?<![\w/.])tests/[\w./]*|\btest_\w+\.py\b")
+_PRIVATE_NAME = re.compile(r"\btreeopt(?:[./]\w+)*?[./]_(?!_)\w[\w./]*|(?<![\w/.])tests/[\w./]*|\btest_\w+\.py\b")
 
 
 def private_names(text: str) -> list[str]:
@@ -392,14 +392,17 @@ def private_names(text: str) -> list[str]:
 
 def test_private_names_are_found():
     text = (
-        "See `treeopt/_step/statistics.py`, `treeopt._sharding.zero` and `tests/sharding/test_zero.py`;\n"
+        "See `treeopt/_step/statistics.py`, `treeopt._sharding.zero`, `treeopt.t5x._zero` and "
+        "`tests/sharding/test_zero.py`;\n"
         "`python -m pytest tests/project` runs test_docs.py.\n"
-        "Public: `treeopt.partitioning.zero_report`, `treeopt.nnx`, T5X's `optimizers_test.py`, "
+        "Public: `treeopt.partitioning.zero_report`, `treeopt.nnx`, `treeopt.t5x.optimizers`, "
+        "`treeopt.Optimizer.__init__`, T5X's `optimizers_test.py`, "
         "`docs/migration/from-nnx.md`, `benchmarks/record.json`, my_tests/x.\n"
     )
     assert private_names(text) == [
         "treeopt/_step/statistics.py",
         "treeopt._sharding.zero",
+        "treeopt.t5x._zero",
         "tests/sharding/test_zero.py",
         "tests/project",
         "test_docs.py",
