@@ -382,7 +382,9 @@ def test_guide_runs(page, tmp_path):
 # A private module of treeopt (treeopt._step.statistics, treeopt/_sharding/zero.py), a test
 # folder or file of this repository (tests/sharding/test_zero.py, test_zero.py): names a reader
 # of the guides cannot import, or that say where a check lives instead of what it checks.
-_PRIVATE_NAME = re.compile(r"\btreeopt(?:[./]\w+)*?[./]_(?!_)\w[\w./]*|(?<![\w/.])tests/[\w./]*|\btest_\w+\.py\b")
+_PRIVATE_NAME = re.compile(
+    r"\btreeopt(?:[./]\w+)*?[./]_(?!_)\w[\w./]*|(?<![\w/.])tests/[\w./]*|\btest_\w+\.py\b"
+)
 
 
 def private_names(text: str) -> list[str]:
