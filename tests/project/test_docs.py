@@ -9,7 +9,9 @@
   ```` ```python ```` is executed, in page order, in one namespace per page
   (in the slow tier: ``python -m pytest -n 2 -m slow``). Blocks that only show
   code (other libraries, fragments) are marked ```` ```py ````, which renders
-  the same.
+  the same. Each page runs in a fresh Python without the test run's
+  ``XLA_FLAGS``, as a reader pastes it: a page that needs several devices
+  sets them at its top.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import inspect
 import json
 import os
 import re
+import subprocess
 import sys
 import textwrap
 import types
@@ -267,10 +270,14 @@ _LINK = re.compile(r"(?<!!)\[(?P<text>[^\]]+)\]\((?P<target>[^)#\s]+)(?:#[^)\s]*
 
 
 def test_the_index_points_to_every_part_of_the_site():
-    """"Where to go next" links every page at the top of the nav, and a page of every section."""
+    """ "Where to go next" links every page at the top of the nav, and a page of every section."""
     index = (DOCS / "index.md").read_text()
     linked = {m["target"] for m in _LINK.finditer(index.split("## Where to go next", 1)[1])}
-    missing = [title for title, pages in _top_level_entries(_config()) if pages != ["index.md"] and not linked & set(pages)]
+    missing = [
+        title
+        for title, pages in _top_level_entries(_config())
+        if pages != ["index.md"] and not linked & set(pages)
+    ]
     assert not missing, f'docs/index.md\'s "Where to go next" does not link: {missing}'
 
 
@@ -330,27 +337,94 @@ def test_every_notebook_is_in_the_docs():
 
 # -- the guides run ----------------------------------------------------------------
 
+
 def test_python_blocks_are_found():
     text = 'a\n```python\nx = 1\n```\n```py\nskipped\n```\n    ```python title="t"\n    y = 2\n    ```\n'
     assert python_blocks(text) == [(3, "x = 1\n"), (9, "y = 2\n")]
 
 
+# Each page runs in a fresh Python, as a reader pastes it: in page order, in one namespace, in a
+# real module (classes defined on the page, dataclasses and flax structs, find it), and without
+# this run's XLA_FLAGS: a page that needs several devices sets them itself, before JAX starts.
+# Its blocks are compiled padded with newlines, so tracebacks point at the page's own lines.
+_PASTED = """
+import json, sys, types, warnings
+warnings.filterwarnings("error", r"treeopt\\..* moved", DeprecationWarning)
+page, name, blocks = json.loads(sys.argv[1])
+module = types.ModuleType(name)
+sys.modules[name] = module
+for line, code in blocks:
+    exec(compile("\\n" * (line - 1) + code, page, "exec", dont_inherit=True), module.__dict__)
+"""
+
+
 @pytest.mark.slow  # over a minute of compiling in all: the slow tier (-m slow) runs them
 @pytest.mark.parametrize("page", RUNNABLE_PAGES)
-def test_guide_runs(page, monkeypatch, tmp_path):
+def test_guide_runs(page, tmp_path):
     path = DOCS / page
     assert path.is_file(), f"docs/{page} is listed as runnable but does not exist"
     blocks = python_blocks(path.read_text())
     assert blocks, f"docs/{page} has no ```python block"
-    monkeypatch.chdir(tmp_path)  # anything a guide writes lands in a temporary folder
-    # A real module, so classes defined on the page (dataclasses, flax structs) can find it.
-    module = types.ModuleType("docs_" + re.sub(r"\W", "_", page.removesuffix(".md")))
-    monkeypatch.setitem(sys.modules, module.__name__, module)
-    for line, code in blocks:
-        # Pad with newlines so tracebacks point at the page's own line numbers; do not
-        # inherit this file's `from __future__ import annotations`.
-        source = "\n" * (line - 1) + code
-        exec(compile(source, f"docs/{page}", "exec", dont_inherit=True), module.__dict__)
+    name = "docs_" + re.sub(r"\W", "_", page.removesuffix(".md"))
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    done = subprocess.run(
+        [sys.executable, "-c", _PASTED, json.dumps([f"docs/{page}", name, blocks])],
+        cwd=tmp_path,  # anything a guide writes lands in a temporary folder
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, f"docs/{page}:\n{done.stderr[-4000:]}"
+
+
+# -- readers are pointed to public names ---------------------------------------------
+
+# A private module of treeopt (treeopt._step.statistics, treeopt/_sharding/zero.py), a test
+# folder or file of this repository (tests/sharding/test_zero.py, test_zero.py): names a reader
+# of the guides cannot import, or that say where a check lives instead of what it checks.
+_PRIVATE_NAME = re.compile(
+    r"\btreeopt(?:[./]\w+)*?[./]_(?!_)\w[\w./]*|(?<![\w/.])tests/[\w./]*|\btest_\w+\.py\b"
+)
+
+
+def private_names(text: str) -> list[str]:
+    """The private modules and test paths ``text`` names, prose and code alike."""
+    return _PRIVATE_NAME.findall(text)
+
+
+def test_private_names_are_found():
+    text = (
+        "See `treeopt/_step/statistics.py`, `treeopt._sharding.zero`, `treeopt.t5x._zero` and "
+        "`tests/sharding/test_zero.py`;\n"
+        "`python -m pytest tests/project` runs test_docs.py.\n"
+        "Public: `treeopt.partitioning.zero_report`, `treeopt.nnx`, `treeopt.t5x.optimizers`, "
+        "`treeopt.Optimizer.__init__`, T5X's `optimizers_test.py`, "
+        "`docs/migration/from-nnx.md`, `benchmarks/record.json`, my_tests/x.\n"
+    )
+    assert private_names(text) == [
+        "treeopt/_step/statistics.py",
+        "treeopt._sharding.zero",
+        "treeopt.t5x._zero",
+        "tests/sharding/test_zero.py",
+        "tests/project",
+        "test_docs.py",
+    ]
+
+
+def _reader_pages() -> list[str]:
+    """The site's pages a reader reads as written: guides and notebooks, not the generated API reference."""
+    pages = [p for p in DOCS.rglob("*.md") if "api" not in p.relative_to(DOCS).parts]
+    return sorted(p.relative_to(ROOT).as_posix() for p in [*pages, *(ROOT / "notebooks").glob("*.ipynb")])
+
+
+@pytest.mark.parametrize("page", _reader_pages())
+def test_pages_name_no_private_module_or_test_file(page):
+    """Pages once sent readers to treeopt/_step/statistics.py and tests/sharding/test_zero.py."""
+    named = private_names((ROOT / page).read_text())
+    assert not named, (
+        f"{page} names private modules or test files {named}: name the public function, page or command "
+        "instead, or say what the test suite checks"
+    )
 
 
 # -- numbers the README repeats ------------------------------------------------------
@@ -365,7 +439,11 @@ def test_readme_counts_the_parity_list():
 
 def test_readme_quotes_the_measured_nnx_figures():
     """The README's nnx.Optimizer ratios are those of docs/benchmarks.md's results, not a rounding of them."""
-    row = next(line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith("| `flax.nnx.Optimizer`"))
+    row = next(
+        line
+        for line in (ROOT / "README.md").read_text().splitlines()
+        if line.startswith("| `flax.nnx.Optimizer`")
+    )
     results = (DOCS / "benchmarks.md").read_text().split("## Results", 1)[1]
     measured = next(line for line in results.splitlines() if line.startswith("| `flax.nnx.Optimizer`"))
     figures = re.findall(r"(`nnx\.jit`|split/merge) (\d[\d.]*\u2013\d[\d.]*\u00d7)", row)
@@ -379,7 +457,9 @@ def test_readme_quotes_the_measured_nnx_figures():
 # Characters of code a page's column shows whole at a 1280 px wide window, in the
 # theme's code font (measured in Chromium: 656 px of text at 8.16 px a character),
 # and in one column of a side-by-side grid on a page without its table of contents
-# (docs/stylesheets/extra.css). Program output, fenced as ```{.text .output}, wraps instead.
+# (docs/stylesheets/extra.css). Program output, fenced as ```{.text .output}, wraps instead, at
+# spaces: a message's long lines read on, but a row of aligned columns (a report's) wrapped
+# mid-row is no longer a row, so those must fit as code does.
 CODE_COLUMNS = 80
 GRID_COLUMNS = 53
 _GRID = re.compile(r'<div class="grid" markdown>.*?</div>', re.S)
@@ -403,7 +483,16 @@ def _long_code_lines(text: str) -> list[tuple[int, int, str]]:
 
 def test_long_code_lines_are_found():
     grid = '<div class="grid" markdown>\n\n```py\n' + "g" * 54 + "\n```\n\n</div>\n"
-    text = "```python\n" + "x" * 80 + "\n" + "y" * 81 + "\n```\n```{.text .output}\n" + "z" * 99 + "\n```\n" + grid
+    text = (
+        "```python\n"
+        + "x" * 80
+        + "\n"
+        + "y" * 81
+        + "\n```\n```{.text .output}\n"
+        + "z" * 99
+        + "\n```\n"
+        + grid
+    )
     assert _long_code_lines(text) == [(3, 81, "y" * 81), (11, 54, "g" * 54)]
 
 
@@ -413,6 +502,86 @@ def test_code_lines_show_whole_at_1280px(page):
     long = _long_code_lines((DOCS / page).read_text())
     assert not long, f"docs/{page}: code lines wider than the column: {long}"
 
+
+def _long_output_rows(text: str) -> list[tuple[int, int, str]]:
+    """``(line number, length, line)`` of each row of aligned columns in program output too wide to show whole."""
+    found = []
+    for match in FENCE.finditer(text):
+        if not re.search(r"\.output\b", match["info"]):
+            continue
+        first = text.count("\n", 0, match.start("body")) + 1
+        for offset, line in enumerate(textwrap.dedent(match["body"]).splitlines()):
+            if len(line) > CODE_COLUMNS and re.search(r"\S {2,}\S", line):
+                found.append((first + offset, len(line), line))
+    return found
+
+
+def test_long_output_rows_are_found():
+    row = "  opt_state[0].mu['w']  (8, 32)  " + "P(None, 'model') -> P('data', 'model')  (dimension 0)" * 2
+    text = (
+        "```{.text .output}\n" + "a message of words " * 6 + "\n" + row + "\n  short  row\n```\n"
+        "```python\n" + row + "\n```\n"
+    )
+    assert _long_output_rows(text) == [(3, len(row), row)]
+
+
+@pytest.mark.parametrize("page", sorted(p.relative_to(DOCS).as_posix() for p in DOCS.rglob("*.md")))
+def test_output_rows_show_whole_at_1280px(page):
+    """The zero_report shown on the Sharding page once wrapped mid-row at 1280 px."""
+    long = _long_output_rows((DOCS / page).read_text())
+    assert not long, f"docs/{page}: rows of program output wider than the column, wrapped mid-row: {long}"
+
+
+def shown_outputs(text: str) -> list[tuple[int, str]]:
+    """``(n, output)`` of each output block right after a ```python block: the ``n``-th of ``python_blocks``."""
+    found: list[tuple[int, str]] = []
+    n, end_of_python = -1, None
+    for match in FENCE.finditer(text):
+        info = match["info"].strip().split()
+        if info and info[0] in ("python", "{.python"):
+            n, end_of_python = n + 1, match.end()
+        elif re.search(r"\.output\b", match["info"]) and end_of_python is not None:
+            if not text[end_of_python : match.start()].strip():
+                found.append((n, textwrap.dedent(match["body"])))
+            end_of_python = None
+        else:
+            end_of_python = None
+    return found
+
+
+def test_shown_outputs_are_found():
+    text = (
+        "```python\nprint(1)\n```\n```{.text .output}\n1\n```\n"
+        "```python\nx = 2\n```\nprose\n```{.text .output}\nnot printed by x = 2\n```\n"
+        "```py\nprint(3)\n```\n```{.text .output}\n3\n```\n"
+    )
+    assert shown_outputs(text) == [(0, "1\n")]
+
+
+@pytest.mark.slow  # runs the page up to the block: the slow tier (-m slow) runs the pages
+@pytest.mark.parametrize(
+    "page", sorted(p.relative_to(DOCS).as_posix() for p in DOCS.rglob("*.md") if shown_outputs(p.read_text()))
+)
+def test_shown_output_is_what_the_code_prints(page, tmp_path):
+    """An output block right after a ```python block is what that block prints, run as the page runs."""
+    text = (DOCS / page).read_text()
+    blocks, shown = python_blocks(text), dict(shown_outputs(text))
+    program: list[tuple[int, str]] = []
+    for n, block in enumerate(blocks[: max(shown) + 1]):
+        marked = n in shown
+        program += [(1, f"print('<<{n}>>')")] * marked + [block] + [(1, f"print('<</{n}>>')")] * marked
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    done = subprocess.run(
+        [sys.executable, "-c", _PASTED, json.dumps([f"docs/{page}", "docs_page", program])],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, f"docs/{page}:\n{done.stderr[-4000:]}"
+    for n, output in shown.items():
+        printed = done.stdout.split(f"<<{n}>>\n", 1)[1].split(f"<</{n}>>\n", 1)[0]
+        assert printed.rstrip() == output.rstrip(), f"docs/{page}: block {n} prints\n{printed}\nnot\n{output}"
 
 
 def test_notebook_section_headings_have_no_inline_code():
