@@ -96,13 +96,16 @@ def train(mesh, shard_state_over=None):
         params, opt = train_step(params, opt, x, y)
 
     # The factored statistics of w1 (8, 32): v_col (32,) keeps its "model" axis, 32/4 per
-    # device; v_row (8,) is replicated, or with ZeRO split over "data", i.e. over the processes.
+    # device, and with ZeRO "data" joins it there (32/8); v_row (8,) is replicated, or with ZeRO
+    # split over "data", i.e. over the processes.
     v_col, v_row = opt.opt_state[1][0].v_col["w1"], opt.opt_state[1][0].v_row["w1"]
-    assert v_col.sharding.spec == P("model"), v_col.sharding
-    assert {s.data.shape for s in v_col.addressable_shards} == {(8,)}
     if shard_state_over is None:
+        assert v_col.sharding.spec == P("model"), v_col.sharding
+        assert {s.data.shape for s in v_col.addressable_shards} == {(8,)}
         assert v_row.sharding.spec == P(), v_row.sharding
     else:
+        assert v_col.sharding.spec == P(("model", "data")), v_col.sharding
+        assert {s.data.shape for s in v_col.addressable_shards} == {(4,)}
         assert v_row.sharding.spec == P("data"), v_row.sharding
         assert {s.data.shape for s in v_row.addressable_shards} == {(4,)}
     leaves = jax.tree.leaves((params, opt))
