@@ -164,15 +164,16 @@ def test_modules_and_functions_stay_small():
 
 # -- the wings -------------------------------------------------------------------------------------
 
-WINGS = ("_compat", "_tree", "_sharding", "_step", "_state", "_update", "_checkpoint")
+WINGS = ("_compat", "_tree", "_sharding", "_lowbit", "_step", "_state", "_update", "_checkpoint")
 # What each wing may import of treeopt, besides itself and the foundations every layer uses.
 FOUNDATIONS = {"treeopt.errors", "treeopt.keys", "treeopt.typing"}
 MAY_IMPORT = {
     "_compat": set(),
     "_tree": {"_compat"},
     "_sharding": {"_compat", "_tree"},
-    "_step": {"_compat", "_tree", "_sharding"},
-    "_state": {"_compat", "_tree", "_sharding", "_step"},
+    "_lowbit": {"_compat", "_tree", "_sharding"},
+    "_step": {"_compat", "_tree", "_sharding", "_lowbit"},
+    "_state": {"_compat", "_tree", "_sharding", "_lowbit", "_step"},
     "_update": {"_compat", "_tree", "_sharding", "_step"},
     "_checkpoint": {"_compat", "_tree", "_state", "_sharding"},
 }

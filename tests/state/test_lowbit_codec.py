@@ -9,7 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from treeopt._step import lowbit, lowbit_maps
+from treeopt._lowbit import maps as lowbit_maps
+from treeopt._step import lowbit
 from treeopt._step.lowbit import (
     Format,
     QuantizedLeaf,

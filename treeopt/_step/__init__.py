@@ -7,7 +7,6 @@
   update (as is, master weights, Kahan, stochastic rounding), one ``narrower``
   predicate, and the one step every way takes.
 - ``rounding``: stochastic rounding into a narrow float dtype, unbiased.
-- ``lowbit_maps``: the non-linear maps of low-bit codes, as bit arithmetic.
 - ``lowbit_format``: the format of low-bit codes (bits, map, block layout)
   and where a shard may cut them.
 - ``lowbit``: the block-wise 8- and 4-bit codec of state leaves (``state_bits=``).
@@ -15,7 +14,7 @@
 - ``lowbit_state``: which state leaves are held in low bits, and a step's encoding.
 
 May import: ``treeopt._compat``, ``treeopt._tree``, ``treeopt._sharding``
-(explicit-axes resharding), ``treeopt.errors``, ``treeopt.keys``,
+(explicit-axes resharding), ``treeopt._lowbit`` (low-bit state), ``treeopt.errors``, ``treeopt.keys``,
 ``treeopt.typing``. It is handed the optimizer's parts (layout, state,
 params) and returns parts, never the optimizer.
 """

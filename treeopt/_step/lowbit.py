@@ -6,7 +6,7 @@ per block, the block's absolute maximum; :meth:`QuantizedLeaf.dequantize`
 reads it back in the original shape and dtype. Each element takes the nearest
 level of a fixed map on [-1, 1] (signed: moments) or (0, 1] (unsigned: second
 moments, which must never read as 0); the maps are in
-:mod:`treeopt._step.lowbit_maps`.
+:mod:`treeopt._lowbit.maps`.
 
 **The format travels with the codes** (:class:`Format`): bits, map, block
 layout and map version are static data of the leaf, and a state dict holds
@@ -52,7 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from treeopt._step import lowbit_maps
+from treeopt._lowbit import maps as lowbit_maps
 from treeopt._step.lowbit_format import (
     FORMAT_VERSION,
     Format,

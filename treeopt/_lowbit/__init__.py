@@ -1,0 +1,10 @@
+"""Low-bit optimizer state (``state_bits=``): its codes, and which state is held in them.
+
+- ``maps``: the non-linear maps of low-bit codes, as bit arithmetic.
+
+May import: ``treeopt._compat``, ``treeopt._tree``, ``treeopt._sharding``
+(the spec contract a low-bit leaf answers to), ``treeopt.errors``,
+``treeopt.keys``, ``treeopt.typing``. It is handed the state and the layout
+and returns state, never the optimizer; the step (``treeopt._step``) and the
+state-dict engine (``treeopt._state``) build on it.
+"""
