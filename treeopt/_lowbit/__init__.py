@@ -1,6 +1,8 @@
 """Low-bit optimizer state (``state_bits=``): its codes, and which state is held in them.
 
 - ``maps``: the non-linear maps of low-bit codes, as bit arithmetic.
+- ``format``: the format of low-bit codes (bits, map, block layout) and
+  where a shard may cut them.
 
 May import: ``treeopt._compat``, ``treeopt._tree``, ``treeopt._sharding``
 (the spec contract a low-bit leaf answers to), ``treeopt.errors``,

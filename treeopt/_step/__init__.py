@@ -7,8 +7,6 @@
   update (as is, master weights, Kahan, stochastic rounding), one ``narrower``
   predicate, and the one step every way takes.
 - ``rounding``: stochastic rounding into a narrow float dtype, unbiased.
-- ``lowbit_format``: the format of low-bit codes (bits, map, block layout)
-  and where a shard may cut them.
 - ``lowbit``: the block-wise 8- and 4-bit codec of state leaves (``state_bits=``).
 - ``statistics``: which fields of an optax state are running statistics.
 - ``lowbit_state``: which state leaves are held in low bits, and a step's encoding.

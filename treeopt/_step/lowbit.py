@@ -53,7 +53,7 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from treeopt._lowbit import maps as lowbit_maps
-from treeopt._step.lowbit_format import (
+from treeopt._lowbit.format import (
     FORMAT_VERSION,
     Format,
     block_layout,
