@@ -22,7 +22,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import treeopt
-from treeopt._step.lowbit import Format, QuantizedLeaf, is_quantized
+from treeopt._lowbit.codec import Format, QuantizedLeaf, is_quantized
 from treeopt.errors import StateDictError
 
 from _helpers import assert_trees_equal

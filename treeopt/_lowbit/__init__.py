@@ -3,6 +3,7 @@
 - ``maps``: the non-linear maps of low-bit codes, as bit arithmetic.
 - ``format``: the format of low-bit codes (bits, map, block layout) and
   where a shard may cut them.
+- ``codec``: the block-wise 8- and 4-bit codes of state leaves, and their leaf.
 
 May import: ``treeopt._compat``, ``treeopt._tree``, ``treeopt._sharding``
 (the spec contract a low-bit leaf answers to), ``treeopt.errors``,

@@ -11,7 +11,8 @@
   policies, over the optimizer's parts.
 
 May import: ``treeopt._compat``, ``treeopt._tree``, ``treeopt._sharding``,
-``treeopt._step`` (the entries a precision and a low-bit leaf write),
+``treeopt._lowbit`` (the entries a low-bit leaf writes), ``treeopt._step``
+(the entries a precision writes),
 ``treeopt.errors``, ``treeopt.keys``, ``treeopt.typing``. It is handed the
 optimizer's parts and returns parts, never the optimizer.
 """

@@ -1,6 +1,6 @@
 """Low-bit state (``state_bits=``): which leaves of an optax state are held as codes, and the codes around a step.
 
-A leaf of the optax state is held as block-wise codes (:mod:`treeopt._step.lowbit`)
+A leaf of the optax state is held as block-wise codes (:mod:`treeopt._lowbit.codec`)
 when all of these hold:
 
 - it is a known running statistic (:mod:`treeopt._step.statistics`): a
@@ -44,7 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from treeopt._sharding.explicit import explicit_sharding
-from treeopt._step.lowbit import (
+from treeopt._lowbit.codec import (
     Format,
     QuantizedLeaf,
     block_layout,
@@ -326,7 +326,7 @@ def decoded(opt_state: Any) -> Any:
 
     Example:
         >>> import jax.numpy as jnp
-        >>> from treeopt._step.lowbit import quantize
+        >>> from treeopt._lowbit.codec import quantize
         >>> decoded({"mu": quantize(jnp.full(4, 0.5), 8), "count": 1})
         {'count': 1, 'mu': Array([0.5, 0.5, 0.5, 0.5], dtype=float32)}
     """
@@ -355,7 +355,7 @@ def encoded_after_step(
 
     Example:
         >>> import jax.numpy as jnp
-        >>> from treeopt._step.lowbit import quantize
+        >>> from treeopt._lowbit.codec import quantize
         >>> state = {"mu": quantize(jnp.zeros(4), 8)}
         >>> type(encoded_after_step(state, {"mu": jnp.full(4, 0.5)})["mu"]).__name__
         'QuantizedLeaf'
@@ -417,7 +417,7 @@ def converted_source(
 
     Example:
         >>> import jax.numpy as jnp
-        >>> from treeopt._step.lowbit import quantize
+        >>> from treeopt._lowbit.codec import quantize
         >>> units = {("mu", "w"): quantize(jnp.zeros((64, 64)), 8)}
         >>> flat, done = converted_source(units, {"mu": {"w": jnp.ones((64, 64))}})
         >>> sorted(flat), done
