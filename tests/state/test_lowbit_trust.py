@@ -23,7 +23,7 @@ import optax
 import pytest
 
 import treeopt
-from treeopt._step import statistics
+from treeopt._lowbit import statistics
 from treeopt._lowbit.codec import Format, QuantizedLeaf, is_quantized
 from treeopt._tree.paths import flatten_paths
 from treeopt.errors import StateDictError, StateDictWarning

@@ -4,6 +4,8 @@
 - ``format``: the format of low-bit codes (bits, map, block layout) and
   where a shard may cut them.
 - ``codec``: the block-wise 8- and 4-bit codes of state leaves, and their leaf.
+- ``statistics``: which fields of an optax state are running statistics (the
+  table the docs print).
 
 May import: ``treeopt._compat``, ``treeopt._tree``, ``treeopt._sharding``
 (the spec contract a low-bit leaf answers to), ``treeopt.errors``,

@@ -7,7 +7,6 @@
   update (as is, master weights, Kahan, stochastic rounding), one ``narrower``
   predicate, and the one step every way takes.
 - ``rounding``: stochastic rounding into a narrow float dtype, unbiased.
-- ``statistics``: which fields of an optax state are running statistics.
 - ``lowbit_state``: which state leaves are held in low bits, and a step's encoding.
 
 May import: ``treeopt._compat``, ``treeopt._tree``, ``treeopt._sharding``

@@ -3,7 +3,7 @@
 A leaf of the optax state is held as block-wise codes (:mod:`treeopt._lowbit.codec`)
 when all of these hold:
 
-- it is a known running statistic (:mod:`treeopt._step.statistics`): a
+- it is a known running statistic (:mod:`treeopt._lowbit.statistics`): a
   field such as ``ScaleByAdamState.mu`` that holds one value per element of
   each parameter, averaged over steps. Anything else keeps full precision by
   construction: copies of the params, values that set them directly, any
@@ -53,7 +53,7 @@ from treeopt._lowbit.codec import (
     encode_with,
     is_quantized,
 )
-from treeopt._step.statistics import fields_by_path, full_precision_reason, statistic_map
+from treeopt._lowbit.statistics import fields_by_path, full_precision_reason, statistic_map
 from treeopt._tree.layout import ParamLayout
 from treeopt._tree.masks import name_matcher
 from treeopt._tree.paths import Path, flatten_paths, param_owners, path_str
