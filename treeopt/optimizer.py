@@ -17,7 +17,7 @@ from treeopt._sharding.optimizer_specs import optimizer_state_specs
 from treeopt._state import state_dict as _state_dict
 from treeopt._state.state_dict import StateParts
 from treeopt._step.initial import as_transformation, init_inputs, transformation_name
-from treeopt._step.lowbit_state import checked_state_bits, constant_leaves, quantized_state
+from treeopt._lowbit.state import checked_state_bits, constant_leaves, quantized_state
 from treeopt._step.precision import (
     checked_master_dtype,
     checked_param_rounding,

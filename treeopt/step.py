@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from treeopt._step.lowbit_state import decoded, encoded_after_step, has_quantized
+from treeopt._lowbit.state import decoded, encoded_after_step, has_quantized
 from treeopt._step.precision import held_as, narrower, precision_step
 from treeopt._step.step_io import FlatStep, StepInputs, strong
 from treeopt._update.trace_guard import is_tracer
@@ -81,7 +81,7 @@ def _traced(inputs: StepInputs, extra_args: Mapping[str, Any] | None = None) -> 
 
     Low-bit state leaves are read as floats for ``tx.update`` and encoded again
     after it; on a CPU, against block maxima taken from a twin of the step
-    (:func:`treeopt._step.lowbit_state.encoded_after_step` says why). On an
+    (:func:`treeopt._lowbit.state.encoded_after_step` says why). On an
     accelerator XLA fuses a reduction with the values it reduces, and one
     evaluation serves.
     """

@@ -6,6 +6,8 @@
 - ``codec``: the block-wise 8- and 4-bit codes of state leaves, and their leaf.
 - ``statistics``: which fields of an optax state are running statistics (the
   table the docs print).
+- ``state``: which state leaves are held as codes, the codes around a step,
+  and low-bit values in state dicts.
 
 May import: ``treeopt._compat``, ``treeopt._tree``, ``treeopt._sharding``
 (the spec contract a low-bit leaf answers to), ``treeopt.errors``,

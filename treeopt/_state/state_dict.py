@@ -46,7 +46,7 @@ from treeopt._state.engine import (
 from treeopt._state.plain import to_plain
 from treeopt._state.policies import EXACT, EXACT_OR_WIDER
 from treeopt._lowbit.codec import describe_entry, is_quantized
-from treeopt._step.lowbit_state import converted_source
+from treeopt._lowbit.state import converted_source
 from treeopt._step.precision import held_as
 from treeopt._step.step_rule import refuse_a_negative_step
 from treeopt._tree.paths import Path, flatten_paths, path_str

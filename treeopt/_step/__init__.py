@@ -1,4 +1,4 @@
-"""The step: what it takes and gives back, how each param is held, and how the state is held.
+"""The step: what it takes and gives back, and how each param is held.
 
 - ``step_io``: the step corridor: what one step takes and gives back.
 - ``step_rule``: what a step count may be (a state dict's, a checkpoint's).
@@ -7,7 +7,6 @@
   update (as is, master weights, Kahan, stochastic rounding), one ``narrower``
   predicate, and the one step every way takes.
 - ``rounding``: stochastic rounding into a narrow float dtype, unbiased.
-- ``lowbit_state``: which state leaves are held in low bits, and a step's encoding.
 
 May import: ``treeopt._compat``, ``treeopt._tree``, ``treeopt._sharding``
 (explicit-axes resharding), ``treeopt._lowbit`` (low-bit state), ``treeopt.errors``, ``treeopt.keys``,
