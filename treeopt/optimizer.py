@@ -29,13 +29,13 @@ from treeopt._tree.layout import ParamLayout, Wrt, is_lookahead
 from treeopt._update.donated import donated, refuse_donated
 from treeopt._update.inputs import FlatInputs, flat_inputs
 from treeopt._update.trace_guard import CAPTURED, concrete_or_eager_autodiff, is_tracer
-from treeopt.step import flat_step, stable_dtypes
+from treeopt._step.traced import flat_step, stable_dtypes
 from treeopt.typing import Params, ParamSpecs, StateDict, Updates
 
 __all__ = ["Optimizer"]
 
 if TYPE_CHECKING:  # imported here, it would shadow the moved name below
-    from treeopt.step import FlatStep
+    from treeopt._step.step_io import FlatStep
 
 __getattr__ = moved_names(__name__)
 

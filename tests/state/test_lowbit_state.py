@@ -23,6 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 import treeopt
 from treeopt._lowbit.codec import Format, QuantizedLeaf, is_quantized
+from treeopt._step import traced
 from treeopt.errors import StateDictError
 
 from _helpers import assert_trees_equal
@@ -385,7 +386,7 @@ def test_a_donated_eight_bit_step_overwrites_its_codes_instead_of_copying_them(m
     # written, so XLA reuses the donated code buffers: the step's scratch is the partial
     # block maxima (an eighth of each moment, in float32: a byte per element for two
     # moments), not a copy of a moment's codes on top.
-    monkeypatch.setattr(treeopt.step, "TWIN_EVALUATION", True)  # as on a CPU, on any backend
+    monkeypatch.setattr(traced, "TWIN_EVALUATION", True)  # as on a CPU, on any backend
     params = {"w": jnp.ones((512, 1024))}
     opt = treeopt.Optimizer(optax.adam(1e-3), state_bits=8).init(params)
     step = jax.jit(lambda p, o, g: (o.update(g, p), o), donate_argnums=(0, 1))

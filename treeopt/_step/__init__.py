@@ -1,5 +1,6 @@
 """The step: what it takes and gives back, and how each param is held.
 
+- ``traced``: the step itself, ``flat_step`` (the public face is ``treeopt.step``).
 - ``step_io``: the step corridor: what one step takes and gives back.
 - ``step_rule``: what a step count may be (a state dict's, a checkpoint's).
 - ``initial``: the transformation checked, and what ``tx.init`` sees for fresh params.
