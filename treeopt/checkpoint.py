@@ -43,7 +43,7 @@ from treeopt._compat.deprecations import moved_names
 from treeopt._step.step_rule import check_step, integer
 from treeopt.errors import CheckpointError as _CheckpointError  # not re-exported: a moved name warns
 from treeopt.errors import CheckpointInUseError
-from treeopt.optimizer import Optimizer, state_parts, with_state_parts
+from treeopt._optimizer.optimizer import Optimizer, state_parts, with_state_parts
 
 if TYPE_CHECKING:
     import orbax.checkpoint as ocp

@@ -34,7 +34,7 @@ from treeopt._sharding.abstract import eval_shape
 from treeopt._sharding.optimizer_specs import checked_param_specs, param_owned
 from treeopt._sharding.specs import check_axes, is_spec
 from treeopt._sharding.zero import ZeroLeaf, ZeroReport, zero_plan
-from treeopt.optimizer import Optimizer, state_parts
+from treeopt._optimizer.optimizer import Optimizer, state_parts
 from treeopt.typing import Params, ParamSpecs
 
 __all__ = [

@@ -31,7 +31,7 @@ from treeopt._state import state_dict as _sd
 from treeopt._state.checksum import CHECKSUM_KEY, with_checksum
 from treeopt._tree.masks import name_matcher
 from treeopt.errors import LoadReport, StateDictError, StateDictWarning
-from treeopt.optimizer import Optimizer, state_parts, with_state_parts
+from treeopt._optimizer.optimizer import Optimizer, state_parts, with_state_parts
 
 __all__ = [
     "CHECKSUM_KEY",
