@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from treeopt._lowbit import maps as lowbit_maps
 from treeopt._lowbit import codec as lowbit
+from treeopt._lowbit import maps as lowbit_maps
 from treeopt._lowbit.codec import (
     Format,
     QuantizedLeaf,

@@ -43,7 +43,6 @@ import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 
-from treeopt._sharding.explicit import explicit_sharding
 from treeopt._lowbit.codec import (
     Format,
     QuantizedLeaf,
@@ -54,6 +53,7 @@ from treeopt._lowbit.codec import (
     is_quantized,
 )
 from treeopt._lowbit.statistics import fields_by_path, full_precision_reason, statistic_map
+from treeopt._sharding.explicit import explicit_sharding
 from treeopt._tree.layout import ParamLayout
 from treeopt._tree.masks import name_matcher
 from treeopt._tree.paths import Path, flatten_paths, param_owners, path_str

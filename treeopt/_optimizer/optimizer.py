@@ -12,12 +12,13 @@ from jax.tree_util import GetAttrKey
 
 from treeopt import hyperparams as _hyperparams
 from treeopt._compat.deprecations import moved_names
+from treeopt._lowbit.state import checked_state_bits, constant_leaves, quantized_state
+from treeopt._optimizer.parts import state_parts, with_state_parts
 from treeopt._sharding.explicit import like_inputs
 from treeopt._sharding.optimizer_specs import optimizer_state_specs
 from treeopt._state import state_dict as _state_dict
 from treeopt._state.state_dict import StateParts
 from treeopt._step.initial import as_transformation, init_inputs, transformation_name
-from treeopt._lowbit.state import checked_state_bits, constant_leaves, quantized_state
 from treeopt._step.precision import (
     checked_master_dtype,
     checked_param_rounding,
@@ -25,11 +26,11 @@ from treeopt._step.precision import (
     precision_of,
 )
 from treeopt._step.step_io import strong
+from treeopt._step.traced import flat_step, stable_dtypes
 from treeopt._tree.layout import ParamLayout, Wrt, is_lookahead
 from treeopt._update.donated import donated, refuse_donated
 from treeopt._update.inputs import FlatInputs, flat_inputs
 from treeopt._update.trace_guard import CAPTURED, concrete_or_eager_autodiff, is_tracer
-from treeopt._step.traced import flat_step, stable_dtypes
 from treeopt.typing import Params, ParamSpecs, StateDict, Updates
 
 __all__ = ["Optimizer"]
@@ -560,31 +561,6 @@ class Optimizer:
         step = self.step
         step_text = "traced" if is_tracer(step) else "donated" if donated(step) else str(jax.device_get(step))
         return f"Optimizer(tx={transformation_name(self.tx)}, step={step_text}, params={len(self._layout.names)})"
-
-
-def state_parts(opt: Optimizer) -> StateParts:
-    """The leaves of an initialized optimizer's state, as the layers below it take them.
-
-    Example:
-        >>> import jax.numpy as jnp, optax, treeopt
-        >>> parts = state_parts(treeopt.Optimizer(optax.sgd(0.1)).init({"w": jnp.ones(2)}))
-        >>> int(parts.step), parts.master
-        (0, {})
-    """
-    opt.layout  # noqa: B018 - reading it raises the error that says to call init first
-    return StateParts(opt.step, opt.opt_state, opt.master, opt.rounding)
-
-
-def with_state_parts(opt: Optimizer, parts: StateParts) -> Optimizer:
-    """A new optimizer like ``opt`` (same transformation and layout) holding ``parts``.
-
-    Example:
-        >>> import jax.numpy as jnp, optax, treeopt
-        >>> opt = treeopt.Optimizer(optax.sgd(0.1)).init({"w": jnp.ones(2)})
-        >>> int(with_state_parts(opt, state_parts(opt)._replace(step=jnp.int32(5))).step)
-        5
-    """
-    return jax.tree.unflatten(jax.tree.structure(opt), jax.tree.leaves(parts))
 
 
 jax.tree_util.register_pytree_with_keys(

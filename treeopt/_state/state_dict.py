@@ -21,7 +21,7 @@ that loses nothing (a bfloat16 run's moments into float32 state), and never
 raises for a mismatch.
 
 This module is handed the state's parts and returns parts: the optimizer
-rebuilds itself from them (``treeopt.optimizer.with_state_parts``).
+rebuilds itself from them (``treeopt._optimizer.parts.with_state_parts``).
 """
 
 from __future__ import annotations
@@ -33,6 +33,8 @@ from typing import Any, NamedTuple
 import jax
 from flax import traverse_util
 
+from treeopt._lowbit.codec import describe_entry, is_quantized
+from treeopt._lowbit.state import converted_source
 from treeopt._state.checksum import CHECKSUM_KEY
 from treeopt._state.engine import (
     Messages,
@@ -45,8 +47,6 @@ from treeopt._state.engine import (
 )
 from treeopt._state.plain import to_plain
 from treeopt._state.policies import EXACT, EXACT_OR_WIDER
-from treeopt._lowbit.codec import describe_entry, is_quantized
-from treeopt._lowbit.state import converted_source
 from treeopt._step.precision import held_as
 from treeopt._step.step_rule import refuse_a_negative_step
 from treeopt._tree.paths import Path, flatten_paths, path_str

@@ -1,0 +1,39 @@
+"""The optimizer's state as the wings below take it, and an optimizer rebuilt from the parts they return."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import jax
+
+from treeopt._state.state_dict import StateParts
+
+if TYPE_CHECKING:
+    from treeopt._optimizer.optimizer import Optimizer
+
+__all__ = ["state_parts", "with_state_parts"]
+
+
+def state_parts(opt: Optimizer) -> StateParts:
+    """The leaves of an initialized optimizer's state, as the layers below it take them.
+
+    Example:
+        >>> import jax.numpy as jnp, optax, treeopt
+        >>> parts = state_parts(treeopt.Optimizer(optax.sgd(0.1)).init({"w": jnp.ones(2)}))
+        >>> int(parts.step), parts.master
+        (0, {})
+    """
+    opt.layout  # noqa: B018 - reading it raises the error that says to call init first
+    return StateParts(opt.step, opt.opt_state, opt.master, opt.rounding)
+
+
+def with_state_parts(opt: Optimizer, parts: StateParts) -> Optimizer:
+    """A new optimizer like ``opt`` (same transformation and layout) holding ``parts``.
+
+    Example:
+        >>> import jax.numpy as jnp, optax, treeopt
+        >>> opt = treeopt.Optimizer(optax.sgd(0.1)).init({"w": jnp.ones(2)})
+        >>> int(with_state_parts(opt, state_parts(opt)._replace(step=jnp.int32(5))).step)
+        5
+    """
+    return jax.tree.unflatten(jax.tree.structure(opt), jax.tree.leaves(parts))
