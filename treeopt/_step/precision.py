@@ -46,8 +46,7 @@ import optax
 
 from treeopt._sharding.explicit import resharded_like
 from treeopt._step.rounding import stochastic_round
-from treeopt._step.step_io import FlatStep, StepInputs
-from treeopt._step.step_rule import next_step
+from treeopt._step.step_io import FlatStep, StepInputs, next_step
 from treeopt.keys import key_data
 
 __all__ = [

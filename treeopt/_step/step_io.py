@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-__all__ = ["ARRAYS", "FlatStep", "StepInputs", "strong"]
+__all__ = ["ARRAYS", "FlatStep", "StepInputs", "next_step", "strong"]
 
 ARRAYS = (jax.Array, np.ndarray, np.generic)
 _DYNAMIC = (*ARRAYS, int, float, complex)
@@ -44,6 +44,23 @@ def strong(x: Any) -> Any:
         (True, False)
     """
     return jnp.asarray(x, dtype=x.dtype) if isinstance(x, jax.Array) else x
+
+
+def next_step(step: Any) -> jax.Array:
+    """``step + 1``, saturating at the largest value of its dtype (2**31 - 1 for int32) instead of wrapping.
+
+    As optax's own counts do (``optax.safe_increment``): a step count that
+    wrapped to a negative number would break the step rule (a checkpoint step
+    is non-negative), and a schedule would restart from its first value.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> int(next_step(jnp.int32(4))), int(next_step(jnp.int32(2**31 - 1)))
+        (5, 2147483647)
+    """
+    count = jnp.asarray(step)
+    # As optax.safe_increment, but a weakly typed count stays weak: a jitted step then traces once.
+    return jnp.where(count < jnp.iinfo(count.dtype).max, count + 1, count)
 
 
 class FlatStep(NamedTuple):
