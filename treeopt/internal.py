@@ -31,7 +31,7 @@ from treeopt._sharding.zero import ZeroLeafSpec, zero_leaf_spec
 from treeopt._state.checksum import with_checksum
 from treeopt._state.engine import Messages, StateDictSource, Target, load
 from treeopt._state.policies import BY_KIND, EXACT, Policy
-from treeopt._step.step_rule import refuse_a_negative_step
+from treeopt._state.step_rule import refuse_a_negative_step
 from treeopt._tree.paths import path_to_name
 from treeopt.hyperparams import checked_value, hyperparameter_attribute
 

@@ -176,7 +176,7 @@ MAY_IMPORT = {
     "_state": {"_compat", "_tree", "_sharding", "_lowbit", "_step"},
     "_update": {"_compat", "_tree", "_sharding", "_step"},
     "_optimizer": {"_compat", "_tree", "_sharding", "_lowbit", "_step", "_state", "_update"},
-    "_checkpoint": {"_compat", "_tree", "_state", "_sharding", "_step", "_optimizer"},
+    "_checkpoint": {"_compat", "_tree", "_state", "_sharding", "_optimizer"},
 }
 # Public modules a wing may import besides the foundations: the optimizer reads hyperparameters.
 MAY_IMPORT_FACES = {"_optimizer": {"treeopt.hyperparams"}}

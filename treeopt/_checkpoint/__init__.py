@@ -11,7 +11,6 @@
 - ``held``: the drop-ins that hold a ``treeopt.Optimizer``, recognised by two methods.
 
 May import: ``treeopt._compat``, ``treeopt._tree``, ``treeopt._sharding``,
-``treeopt._state``, ``treeopt._step`` (the rule of step numbers),
-``treeopt._optimizer`` (what a checkpoint holds and restores into),
+``treeopt._state``, ``treeopt._optimizer`` (what a checkpoint holds and restores into),
 ``treeopt.errors``, ``treeopt.keys``. The public face is ``treeopt.checkpoint``.
 """

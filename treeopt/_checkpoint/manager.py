@@ -42,7 +42,7 @@ from treeopt._checkpoint.writer_lock import WriterLock
 from treeopt._compat.deprecations import moved_names
 from treeopt._optimizer.optimizer import Optimizer
 from treeopt._optimizer.parts import state_parts, with_state_parts
-from treeopt._step.step_rule import check_step, integer
+from treeopt._state.step_rule import check_step, integer
 from treeopt.errors import CheckpointError as _CheckpointError  # not re-exported: a moved name warns
 from treeopt.errors import CheckpointInUseError
 

@@ -7,6 +7,7 @@
   shardings, fill, verify the checksum; each caller brings its policy.
 - ``policies``: a slot of a target, what a value must be to fill it, and what it becomes
   (exact, exact or wider, by kind).
+- ``step_rule``: what a step count may be (a state dict's, a checkpoint's).
 - ``state_dict``: the core's state dicts and ``load_state_dict``/``warm_start``
   policies, over the optimizer's parts.
 

@@ -2,7 +2,6 @@
 
 - ``traced``: the step itself, ``flat_step`` (the public face is ``treeopt.step``).
 - ``step_io``: the step corridor: what one step takes and gives back.
-- ``step_rule``: what a step count may be (a state dict's, a checkpoint's).
 - ``initial``: the transformation checked, and what ``tx.init`` sees for fresh params.
 - ``precision``: one precision layer: how a param is held and takes a float32
   update (as is, master weights, Kahan, stochastic rounding), one ``narrower``
