@@ -116,3 +116,29 @@ def test_a_bf16_kahan_8bit_zero_program_compiles_without_involuntary_remateriali
     jax.jit(step).lower(params, opt, jnp.float32(0.5)).compile()
     logged = capfd.readouterr().err
     assert "Involuntary full rematerialization" not in logged, logged[-3000:]
+
+
+class _Lookalike:
+    """An object with a low-bit leaf's two method names, but no part of its contract."""
+
+    shape = (4, 8)
+    dtype = jnp.dtype(jnp.float32)
+
+    def partition_specs(self, param_spec, axis_sizes=None):
+        raise AssertionError("asked for its specs")
+
+    def zero_axes(self, param_spec, shards):
+        raise AssertionError("asked for its ZeRO axes")
+
+
+def test_only_a_leaf_that_subclasses_the_spec_contract_is_asked_for_its_specs():
+    from treeopt._lowbit.codec import quantize
+    from treeopt._sharding.specs import SpecifiesItself, is_self_specified, state_leaf_specs
+    from treeopt.layout import ParamLayout
+
+    assert is_self_specified(quantize(jnp.ones((4, 64)), bits=8)) and not is_self_specified(_Lookalike())
+    layout = ParamLayout.of({"w": jnp.ones((4, 8))})
+    _, [leaf] = state_leaf_specs({"w": _Lookalike()}, layout, {"w": P("data", "model")}, {"data": 2, "model": 2})
+    assert leaf.spec == P("data", "model")  # the spec of any leaf shaped like its param: its methods unasked
+    with pytest.raises(TypeError, match="abstract"):
+        SpecifiesItself()  # the contract is abstract: its methods must be written

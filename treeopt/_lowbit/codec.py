@@ -64,6 +64,7 @@ from treeopt._lowbit.format import (
     scales_shape,
     zero_axes,
 )
+from treeopt._sharding.specs import SpecifiesItself
 
 __all__ = [
     "FORMAT_VERSION",
@@ -83,16 +84,15 @@ __all__ = [
 ]
 
 
-@jax.tree_util.register_pytree_with_keys_class
-class QuantizedLeaf:
+class QuantizedLeaf(SpecifiesItself):
     """A float array held as block-wise low-bit ``codes`` and one ``scales`` entry per block.
 
     The pytree children are ``codes`` and ``scales``; the shape, dtype and
-    :class:`Format` are static aux data, so a ``QuantizedLeaf`` passes in and
+    :class:`Format` are static data, so a ``QuantizedLeaf`` passes in and
     out of ``jit`` and ``eval_shape`` keeping them. It answers for its own
     partition specs (:meth:`partition_specs`) and for the axes a ZeRO shard
     may take (:meth:`zero_axes`), as flax's ``AxisMetadata`` does for boxed
-    params.
+    params: it is a :class:`~treeopt._sharding.specs.SpecifiesItself`.
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -190,19 +190,6 @@ class QuantizedLeaf:
         """
         return zero_axes(self._shape, self.format, param_spec, shards)
 
-    def tree_flatten_with_keys(self) -> tuple[tuple[tuple[Any, Any], ...], tuple[Any, ...]]:
-        keys = jax.tree_util.GetAttrKey
-        return ((keys("codes"), self.codes), (keys("scales"), self.scales)), self._aux()
-
-    @classmethod
-    def tree_unflatten(cls, aux: tuple[Any, ...], children: Any) -> QuantizedLeaf:
-        shape, dtype, fmt = aux
-        codes, scales = children
-        return cls(codes, scales, shape=shape, dtype=dtype, format=fmt)
-
-    def _aux(self) -> tuple[Any, ...]:
-        return (self._shape, self._dtype_name, self.format)
-
     def __repr__(self) -> str:
         return f"QuantizedLeaf(shape={self._shape}, dtype={self._dtype_name}, {self.format.describe()})"
 
@@ -222,6 +209,10 @@ def _from_state_dict(target: QuantizedLeaf, state: Mapping[str, Any]) -> Quantiz
     )
 
 
+# The arrays are its leaves; what they stand for is static data (the jit cache key).
+jax.tree_util.register_dataclass(
+    QuantizedLeaf, data_fields=["codes", "scales"], meta_fields=["shape", "dtype", "format"]
+)
 # A state dict holds a low-bit leaf as its codes, its scales and its format (Format.entry).
 flax.serialization.register_serialization_state(QuantizedLeaf, _to_state_dict, _from_state_dict)
 
