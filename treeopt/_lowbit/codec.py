@@ -24,10 +24,13 @@ A ZeRO shard of the state keeps blocks whole; a model-parallel spec that cuts
 a block makes its maximum a small reduction across devices.
 
 **Storage.** 8-bit codes have the array's own shape, so they take its
-partition spec; 4-bit codes pair neighbours of the flattened trailing axes
-(``codes.shape`` is the array's with its last axis halved when that is even).
-Scales are ``shape[:axis] + (blocks per row,)``, float32 (float64 for float64
-arrays). A block of zeros has scale 0 and decodes to exact zeros; a block
+partition spec. 4-bit codes are two to a byte, a row at a time (a row: the
+axes from ``Format.axis`` on, flattened): the row's first half in the low
+nibbles of its bytes, its second half in the high ones, so ``codes.shape`` is
+``shape[:axis] + (ceil(row / 2),)`` (a ``(3, 64)`` array read from axis 0 has
+96 bytes of codes, ``(96,)``) and a shard may split the axes before the rows,
+never a row. Scales are ``shape[:axis] + (blocks per row,)``, float32 (float64
+for float64 arrays). A block of zeros has scale 0 and decodes to exact zeros; a block
 holding NaN or an infinity has scale NaN and decodes to NaN entirely, so the
 failure stays visible, and other blocks are untouched.
 
@@ -38,6 +41,9 @@ Example:
     ((2, 256), (2, 1), 520)
     >>> bool(jnp.abs(q.dequantize() - jnp.linspace(-1.0, 1.0, 512).reshape(2, 256)).max() < 0.02)
     True
+    >>> q4 = quantize(jnp.ones((3, 64)), bits=4)   # rows from axis 0: one row of 192 codes, 96 bytes
+    >>> q4.format.axis, q4.codes.shape, q4.scales.shape
+    (0, (96,), (2,))
 """
 
 from __future__ import annotations
