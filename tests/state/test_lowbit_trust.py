@@ -279,6 +279,29 @@ def test_state_dicts_written_before_formats_were_recorded_still_load():
             np.testing.assert_allclose(got, value, atol=(0.016 if bits == 8 else 0.13) * np.abs(value).max())
 
 
+def test_the_low_bit_reader_runs_only_where_a_side_holds_codes(monkeypatch):
+    from treeopt._state import state_dict as state_dicts
+
+    calls = []
+    converter = state_dicts.converted_source
+
+    def counted(*args, **kwargs):
+        calls.append(None)
+        return converter(*args, **kwargs)
+
+    monkeypatch.setattr(state_dicts, "converted_source", counted)
+    params = {"w": jnp.zeros((64, 64))}
+    full = treeopt.Optimizer(optax.adam(1e-2)).init(params)
+    low = treeopt.Optimizer(optax.adam(1e-2), state_bits=8).init(params)
+    full.load_state_dict(full.state_dict())
+    treeopt.serialization.check_state_dict(full, full.state_dict())
+    treeopt.serialization.warm_start(full, full.state_dict())
+    assert calls == []  # full precision on both sides: neither the converter nor the v1 reader runs
+    low.load_state_dict(low.state_dict())  # the target holds codes
+    treeopt.serialization.warm_start(full, low.state_dict())  # the source does
+    assert len(calls) == 2
+
+
 # -- bytes, dtypes, globs ---------------------------------------------------------------------------
 
 

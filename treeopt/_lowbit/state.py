@@ -56,9 +56,10 @@ from treeopt._lowbit.statistics import fields_by_path, full_precision_reason, st
 from treeopt._sharding.explicit import explicit_sharding
 from treeopt._tree.layout import ParamLayout
 from treeopt._tree.masks import name_matcher
-from treeopt._tree.paths import Path, flatten_paths, param_owners, path_str
+from treeopt._tree.paths import Path, param_owners, path_str
 
 __all__ = [
+    "CODES",
     "MIN_ELEMENTS",
     "checked_state_bits",
     "converted_source",
@@ -398,10 +399,11 @@ def _after(value: jax.Array, other: Any) -> jax.Array:
 # -- state dicts -----------------------------------------------------------------------------------
 
 CODES, SCALES, FORMAT = "codes", "scales", "format"
+"""The entries of a low-bit leaf in a state dict."""
 
 
 def converted_source(
-    units: Mapping[Path, Any], source: Any, legacy_only: bool = False
+    units: Mapping[Path, Any], source: Mapping[Path, Any], legacy_only: bool = False
 ) -> tuple[dict[Path, Any], tuple[tuple[str, str, str], ...]]:
     """A warm start's source, with each low-bit value converted to the target's precision at the target's paths.
 
@@ -411,19 +413,20 @@ def converted_source(
     target at a path (full precision, or codes of other bits, map or layout),
     the source's value is decoded whole and encoded again in the target's
     format; a state dict without ``format`` entries (written before formats
-    were recorded) is read in that first layout. Returns the source flattened
-    (``{path: value}``) and ``(path, from, to)`` of each conversion.
+    were recorded) is read in that first layout. ``source`` is the state dict
+    flattened (``{path: value}``); returns it converted and ``(path, from, to)``
+    of each conversion.
     ``legacy_only``: convert only the codes written without a format.
 
     Example:
         >>> import jax.numpy as jnp
         >>> from treeopt._lowbit.codec import quantize
         >>> units = {("mu", "w"): quantize(jnp.zeros((64, 64)), 8)}
-        >>> flat, done = converted_source(units, {"mu": {"w": jnp.ones((64, 64))}})
+        >>> flat, done = converted_source(units, {("mu", "w"): jnp.ones((64, 64))})
         >>> sorted(flat), done
         ([('mu', 'w', 'codes'), ('mu', 'w', 'format'), ('mu', 'w', 'scales')], (('mu/w', 'float32[64, 64]', '8-bit signed codes'),))
     """
-    flat = flatten_paths(source)
+    flat = dict(source)
     done = []
     for path, unit in units.items():
         found = _source_value(flat, path, unit)

@@ -34,7 +34,7 @@ import jax
 from flax import traverse_util
 
 from treeopt._lowbit.codec import describe_entry, is_quantized
-from treeopt._lowbit.state import converted_source
+from treeopt._lowbit.state import CODES, converted_source, has_quantized
 from treeopt._state.checksum import CHECKSUM_KEY
 from treeopt._state.engine import (
     Messages,
@@ -150,10 +150,13 @@ def _in_target_precision(
     """
     if not isinstance(source, Mapping):
         return source, ()
+    flat_source = flatten_paths(source)
+    if not (has_quantized(parts.opt_state) or any(path[-1] == CODES for path in flat_source)):
+        return source, ()  # neither side holds codes: nothing to convert, and no v1 codes to read
     leaves, treedef = jax.tree.flatten(parts, is_leaf=is_quantized)
     indexed = flatten_paths(plain_state(jax.tree.unflatten(treedef, list(range(len(leaves))))))
     units = {path: leaves[i] for path, i in indexed.items() if isinstance(i, int)}
-    flat, converted = converted_source(units, source, legacy_only=legacy_only)
+    flat, converted = converted_source(units, flat_source, legacy_only=legacy_only)
     if not converted:
         return source, ()
     read_verified(StateDictSource(source, "warm_start"), {})
