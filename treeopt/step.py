@@ -4,8 +4,10 @@
 param}`` and returns a :class:`FlatStep`. Traced inline under a JAX
 transformation; called eagerly, it runs one compiled program per
 transformation and shapes, so an eager step costs one dispatch.
-``Optimizer.init`` also fixes the state's dtypes here (:func:`stable_dtypes`),
-so that the jitted step traces once.
+The params' precision (master weights, Kahan or stochastic rounding) comes
+in as ``precision=`` and ``precision_state=``; low-bit state is read as floats
+and encoded again around ``tx.update``. The implementation lives in
+``treeopt._step``.
 """
 
 from treeopt._step.step_io import FlatStep as FlatStep

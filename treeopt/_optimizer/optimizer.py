@@ -1,4 +1,4 @@
-"""treeopt.Optimizer: a PyTree that holds its own optax state."""
+"""treeopt.Optimizer: a PyTree that holds its own optax state (its face is ``treeopt.optimizer``)."""
 
 from __future__ import annotations
 
@@ -7,24 +7,23 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
-from jax.tree_util import GetAttrKey
 
 from treeopt import hyperparams as _hyperparams
-from treeopt._compat.deprecations import moved_names
 from treeopt._lowbit.state import checked_state_bits, constant_leaves, quantized_state
 from treeopt._optimizer.parts import state_parts, with_state_parts
 from treeopt._sharding.explicit import like_inputs
 from treeopt._sharding.optimizer_specs import optimizer_state_specs
 from treeopt._state import state_dict as _state_dict
-from treeopt._state.state_dict import StateParts
 from treeopt._step.initial import as_transformation, init_inputs, transformation_name
-from treeopt._step.precision import (
+from treeopt._step.options import (
     checked_master_dtype,
     checked_param_rounding,
-    param_dtypes_of,
+    checked_rounding_seed,
     precision_of,
 )
+from treeopt._step.precision import Precision
 from treeopt._step.step_io import strong
 from treeopt._step.traced import flat_step, stable_dtypes
 from treeopt._tree.layout import ParamLayout, Wrt, is_lookahead
@@ -35,14 +34,15 @@ from treeopt.typing import Params, ParamSpecs, StateDict, Updates
 
 __all__ = ["Optimizer"]
 
-if TYPE_CHECKING:  # imported here, it would shadow the moved name below
+if TYPE_CHECKING:
     from treeopt._step.step_io import FlatStep
 
-__getattr__ = moved_names(__name__)
-
-_STATIC = ("tx", "wrt", "master_dtype", "state_bits", "param_rounding")
-_CHILDREN = ("step", "opt_state", "master", "rounding")
-_FIELDS = (*_STATIC, "_layout", "_lookahead", *_CHILDREN)
+# The fields, declared once: static data (the jit cache key) and the leaves.
+_META = ("tx", "wrt", "state_bits", "precision", "_layout", "_lookahead")
+_DATA = ("step", "opt_state", "precision_state")
+_FIELDS = (*_META, *_DATA)
+# What JAX passes when it rebuilds an optimizer, beyond the constructor's own arguments.
+_REBUILT = frozenset(_FIELDS) - {"tx", "wrt", "state_bits"}
 
 
 class Optimizer:
@@ -97,6 +97,15 @@ class Optimizer:
             nearest. Not together with ``master_dtype``, and refused at
             ``init`` where no trainable param is narrower than float32. See
             ``docs/mixed-precision.md``.
+        rounding_seed: the seed of the PRNG key of
+            ``param_rounding="stochastic"`` (``jax.random.key(rounding_seed)``
+            at ``init``, split every step), an integer in [0, 2**32). ``None``
+            (default): 0, the same draws in every run. Refused with any other
+            ``param_rounding``, where nothing would draw from it.
+        **fields: only for JAX, which rebuilds an optimizer from its fields
+            (``jax.tree_util.register_dataclass``: ``precision``,
+            ``precision_state``, ``step``, ``opt_state`` and the layout); never
+            needed in user code.
 
     Example:
         >>> import jax, jax.numpy as jnp, optax, treeopt
@@ -167,30 +176,18 @@ class Optimizer:
     for ``optax.adam``. Read it freely; to change it, use ``load_state_dict`` or
     build a new optimizer, so that the step and the names stay consistent.
     """
-    master_dtype: Any
-    """The dtype of the master copies, as given to the constructor (static); ``None``: none."""
-    param_rounding: str | None
-    """``"kahan"``, ``"stochastic"`` or ``None``, as given to the constructor (static)."""
-    rounding: dict[str, Any] | None
-    """The state of ``param_rounding`` (leaves): ``{"compensation": {name: array}}`` or ``{"key": key}``.
-
-    ``{}`` without the option, ``None`` before ``init``. In ``state_dict()`` the
-    compensation buffers are under ``"compensation"``, the key under ``"rounding_key"``.
-    """
     state_bits: tuple[tuple[str, int | None], ...] | None
     """The low-bit rules ``((glob, bits), ...)`` read from the constructor's ``state_bits`` (static); ``None``: none.
 
     Example: ``Optimizer(tx, state_bits=8).state_bits`` is ``(("*", 8),)``.
     """
-    master: dict[str, jax.Array] | None
-    """The master copies ``{name: array}`` of the params narrower than ``master_dtype`` (leaves).
-
-    ``{}`` without ``master_dtype``, ``None`` before ``init``. They are the
-    values the optimizer steps; the params ``update`` returns are them cast down.
-
-    Example: with bfloat16 params and ``master_dtype=jnp.float32``,
-    ``opt.master["dense/kernel"].dtype`` is float32.
-    """
+    precision: Precision
+    """How the trainable params are held and take an update (static), chosen once from ``master_dtype``,
+    ``param_rounding`` and ``rounding_seed``: as they are, master weights, Kahan or stochastic rounding."""
+    precision_state: Any
+    """The state of :attr:`precision` (leaves), one type per way: the master copies, the compensation
+    buffers or the PRNG key (none as is). ``None`` before ``init``; read it through :attr:`master` and
+    :attr:`rounding`."""
 
     def __init__(
         self,
@@ -199,43 +196,64 @@ class Optimizer:
         master_dtype: Any = None,
         state_bits: int | Mapping[str, int | None] | None = None,
         param_rounding: str | None = None,
+        *,
+        rounding_seed: int | None = None,
+        **fields: Any,
     ):
+        if fields:  # JAX rebuilding a flattened optimizer: its fields, checked when it was built
+            if set(fields) != _REBUILT or (master_dtype, param_rounding, rounding_seed) != (None, None, None):
+                unexpected = sorted(set(fields) - _REBUILT) or sorted(fields)
+                raise TypeError(f"Optimizer() got an unexpected keyword argument {unexpected[0]!r}")
+            for name, value in {"tx": tx, "wrt": wrt, "state_bits": state_bits, **fields}.items():
+                object.__setattr__(self, name, value)
+            return
         master_dtype = checked_master_dtype(master_dtype)
-        static = (
-            as_transformation(tx),
-            tuple(wrt) if isinstance(wrt, list) else wrt,
-            master_dtype,
-            checked_state_bits(state_bits),
-            checked_param_rounding(param_rounding, master_dtype),
-        )
-        self._fill((*static, None, False), ())
+        param_rounding = checked_param_rounding(param_rounding, master_dtype)
+        seed = checked_rounding_seed(rounding_seed, param_rounding)
+        object.__setattr__(self, "tx", as_transformation(tx))
+        object.__setattr__(self, "wrt", tuple(wrt) if isinstance(wrt, list) else wrt)
+        object.__setattr__(self, "state_bits", checked_state_bits(state_bits))
+        object.__setattr__(self, "precision", precision_of(master_dtype, param_rounding, seed))
+        for name in ("_layout", *_DATA):
+            object.__setattr__(self, name, None)
+        object.__setattr__(self, "_lookahead", False)
 
-    # -- pytree ----------------------------------------------------------------
+    def _with(self, **changes: Any) -> Optimizer:
+        """A new optimizer with these fields changed (the others as ``self``'s)."""
+        return Optimizer(**{**{name: getattr(self, name) for name in _FIELDS}, **changes})
 
-    def _tree_flatten_with_keys(self) -> tuple[Any, Any]:
-        children, aux = self._tree_flatten()
-        return tuple(zip((GetAttrKey(k) for k in _CHILDREN), children, strict=False)), aux
+    # -- the precision's state, read-only ------------------------------------------
 
-    def _tree_flatten(self) -> tuple[Any, Any]:
-        aux = self._static(self._layout, self._lookahead)
-        if self._layout is None:
-            return (), aux
-        return (self.step, self.opt_state, self.master, self.rounding), aux
+    @property
+    def master_dtype(self) -> np.dtype | None:
+        """The dtype of the master copies, as given to the constructor (static); ``None``: none."""
+        return self.precision.master_dtype
 
-    def _static(self, layout: ParamLayout | None, lookahead: bool) -> tuple[Any, ...]:
-        return (*(getattr(self, name) for name in _STATIC), layout, lookahead)
+    @property
+    def param_rounding(self) -> str | None:
+        """``"kahan"``, ``"stochastic"`` or ``None``, as given to the constructor (static)."""
+        return self.precision.param_rounding
 
-    @classmethod
-    def _tree_unflatten(cls, aux: Any, children: Any) -> Optimizer:
-        self = object.__new__(cls)
-        self._fill(aux, children)
-        return self
+    @property
+    def master(self) -> dict[str, jax.Array] | None:
+        """The master copies ``{name: array}`` of the params narrower than ``master_dtype`` (leaves).
 
-    def _fill(self, aux: Any, children: Any) -> None:
-        *static, layout, lookahead = aux
-        values = (*static, layout, lookahead, *(children if layout is not None else (None,) * len(_CHILDREN)))
-        for name, value in zip(_FIELDS, values, strict=True):
-            object.__setattr__(self, name, value)
+        ``{}`` without ``master_dtype``, ``None`` before ``init``. They are the
+        values the optimizer steps; the params ``update`` returns are them cast down.
+
+        Example: with bfloat16 params and ``master_dtype=jnp.float32``,
+        ``opt.master["dense/kernel"].dtype`` is float32.
+        """
+        return None if self._layout is None else self.precision.views(self.precision_state)["master"]
+
+    @property
+    def rounding(self) -> dict[str, Any] | None:
+        """The state of ``param_rounding`` (leaves): ``{"compensation": {name: array}}`` or ``{"key": key}``.
+
+        ``{}`` without the option, ``None`` before ``init``. In ``state_dict()`` the
+        compensation buffers are under ``"compensation"``, the key under ``"rounding_key"``.
+        """
+        return None if self._layout is None else self.precision.views(self.precision_state)["rounding"]
 
     # -- init --------------------------------------------------------------------
 
@@ -275,15 +293,19 @@ class Optimizer:
         """
         lookahead = is_lookahead(params)
         layout = ParamLayout.of(params.fast if lookahead else params, self.wrt)
-        precision = precision_of(self.master_dtype, self.param_rounding)
-        flat, held = init_inputs(layout, params, lookahead, precision)
+        flat, precision_state = init_inputs(layout, params, lookahead, self.precision)
         opt_state = stable_dtypes(self.tx, jax.tree.map(strong, self.tx.init(flat)), flat, lookahead)
         if self.state_bits is not None:
             traced = any(is_tracer(x) for x in jax.tree.leaves(flat.fast if lookahead else flat))
             constants = constant_leaves(self.tx.init, flat) if traced else None
             opt_state = quantized_state(opt_state, layout, self.state_bits, constants)
-        parts = StateParts(jnp.zeros((), jnp.int32), opt_state, {}, {})._replace(**precision.placed(held))
-        return Optimizer._tree_unflatten(self._static(layout, lookahead), tuple(parts))
+        return self._with(
+            _layout=layout,
+            _lookahead=lookahead,
+            step=jnp.zeros((), jnp.int32),
+            opt_state=opt_state,
+            precision_state=precision_state,
+        )
 
     # -- update ------------------------------------------------------------------
 
@@ -348,18 +370,15 @@ class Optimizer:
         inputs = flat_inputs(
             self._require_layout(), self._lookahead, self.step, grads, params, apply_updates, extra_args
         )
-        result = self._step_on(inputs, apply_updates, params_given=params is not None)
+        result = self._step_on(inputs, apply_updates)
         if not is_tracer(self.step) and not concrete_or_eager_autodiff(result.step):
             raise RuntimeError(CAPTURED)  # a trace we could not see from the inputs
         object.__setattr__(self, "step", result.step)
         object.__setattr__(self, "opt_state", result.opt_state)
-        if result.master is not None:
-            object.__setattr__(self, "master", result.master)
-        if result.rounding is not None:
-            object.__setattr__(self, "rounding", result.rounding)
+        object.__setattr__(self, "precision_state", result.precision_state)
         return inputs.rebuild(like_inputs(result.output, inputs.params if apply_updates else None))
 
-    def _step_on(self, inputs: FlatInputs, apply_updates: bool, params_given: bool) -> FlatStep:
+    def _step_on(self, inputs: FlatInputs, apply_updates: bool) -> FlatStep:
         """``flat_step`` on checked inputs; a donated optimizer is named only once JAX refused it."""
         try:
             return flat_step(
@@ -370,11 +389,8 @@ class Optimizer:
                 inputs.params,
                 apply_updates=apply_updates,
                 extra_args=inputs.extra_args,
-                master=self.master,
-                rounding=self.rounding,
-                param_dtypes=param_dtypes_of(self._require_layout(), self.master)
-                if self.master and not params_given
-                else None,
+                precision=self.precision,
+                precision_state=self.precision_state,
             )
         except RuntimeError:  # checked only after the failure: the step itself pays nothing
             refuse_donated(self)
@@ -421,10 +437,8 @@ class Optimizer:
         return _hyperparams.hyperparameter_attribute(self, name, found)
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if name in _FIELDS:
-            raise AttributeError(
-                f"Optimizer.{name} is managed by the optimizer; use init/update/load_state_dict."
-            )
+        if hasattr(type(self), name):  # its fields and the views of its state: managed
+            raise AttributeError(f"Optimizer.{name} is managed by the optimizer; use init/update/load_state_dict.")
         self.set_hyperparams({name: value})
 
     # -- serialization (state_dict / load_state_dict) ------------------------------
@@ -533,18 +547,18 @@ class Optimizer:
         """
         layout = self._require_layout()
         specs = optimizer_state_specs(
-            state_parts(self), layout, param_specs, shard_state_over=shard_state_over, mesh=mesh
+            state_parts(self).by_part(), layout, param_specs, shard_state_over=shard_state_over, mesh=mesh
         )
-        children = (jax.sharding.PartitionSpec(), specs["opt_state"], specs["master"], specs["rounding"])
-        return Optimizer._tree_unflatten(self._tree_flatten()[1], children)
+        # The parts hold the state's leaves in its order (the precision's views included): so do their specs.
+        leaves = [leaf for tree in specs.values() for leaf in jax.tree.leaves(tree)]
+        return jax.tree.unflatten(jax.tree.structure(self), [jax.sharding.PartitionSpec(), *leaves])
 
     # -- misc ----------------------------------------------------------------------
 
     def __reduce__(self) -> tuple[Any, ...]:
-        # copy.copy / deepcopy / pickle rebuild through the pytree path, since
-        # plain attribute assignment is reserved for hyperparameters.
-        children, aux = self._tree_flatten()
-        return Optimizer._tree_unflatten, (aux, children)
+        # copy.copy / deepcopy / pickle rebuild from the fields, since plain attribute
+        # assignment is reserved for hyperparameters.
+        return _rebuilt, ({name: getattr(self, name) for name in _FIELDS},)
 
     def _require_layout(self) -> ParamLayout:
         layout = self._layout
@@ -563,9 +577,10 @@ class Optimizer:
         return f"Optimizer(tx={transformation_name(self.tx)}, step={step_text}, params={len(self._layout.names)})"
 
 
-jax.tree_util.register_pytree_with_keys(
-    Optimizer,
-    Optimizer._tree_flatten_with_keys,
-    Optimizer._tree_unflatten,
-    Optimizer._tree_flatten,
-)
+def _rebuilt(fields: dict[str, Any]) -> Optimizer:
+    return Optimizer(**fields)
+
+
+# Static data (part of the jit cache key) and leaves, as declared above; an optimizer before init has
+# no leaves (its step, state and precision state are None).
+jax.tree_util.register_dataclass(Optimizer, data_fields=list(_DATA), meta_fields=list(_META))

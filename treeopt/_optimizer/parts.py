@@ -20,11 +20,11 @@ def state_parts(opt: Optimizer) -> StateParts:
     Example:
         >>> import jax.numpy as jnp, optax, treeopt
         >>> parts = state_parts(treeopt.Optimizer(optax.sgd(0.1)).init({"w": jnp.ones(2)}))
-        >>> int(parts.step), parts.master
-        (0, {})
+        >>> int(parts.step), parts.precision, parts.by_part()["master"]
+        (0, AsIs(), {})
     """
     opt.layout  # noqa: B018 - reading it raises the error that says to call init first
-    return StateParts(opt.step, opt.opt_state, opt.master, opt.rounding)
+    return StateParts(opt.step, opt.opt_state, opt.precision_state, opt.precision)
 
 
 def with_state_parts(opt: Optimizer, parts: StateParts) -> Optimizer:
@@ -33,7 +33,8 @@ def with_state_parts(opt: Optimizer, parts: StateParts) -> Optimizer:
     Example:
         >>> import jax.numpy as jnp, optax, treeopt
         >>> opt = treeopt.Optimizer(optax.sgd(0.1)).init({"w": jnp.ones(2)})
-        >>> int(with_state_parts(opt, state_parts(opt)._replace(step=jnp.int32(5))).step)
+        >>> import dataclasses
+        >>> int(with_state_parts(opt, dataclasses.replace(state_parts(opt), step=jnp.int32(5))).step)
         5
     """
     return jax.tree.unflatten(jax.tree.structure(opt), jax.tree.leaves(parts))

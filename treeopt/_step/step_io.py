@@ -64,7 +64,7 @@ def next_step(step: Any) -> jax.Array:
 
 
 class FlatStep(NamedTuple):
-    """The result of a step: the new step count, the new optax state, its output and the precision's state.
+    """The result of a step: the new step count, the new optax state, its output and the precision's new state.
 
     Example:
         >>> import jax.numpy as jnp, optax
@@ -82,10 +82,8 @@ class FlatStep(NamedTuple):
     """The optax state after the update."""
     output: Any
     """The new params (``apply_updates=True``) or the updates."""
-    master: Any = None
-    """The new master copies ``{name: array}`` when the step was given masters, else ``None``."""
-    rounding: Any = None
-    """The new rounding state (compensation or key) when the step rounds narrow params, else ``None``."""
+    precision_state: Any = None
+    """The new state of the params' precision (master copies, compensation, key) when the step was given one, else ``None``."""
 
 
 @jax.tree_util.register_dataclass
@@ -97,7 +95,7 @@ class StepInputs:
     opt_state: Any
     grads: Any
     params: Any
-    held: Any
+    precision_state: Any
     dynamic_extra: list[Any]
     tx: optax.GradientTransformation = dataclasses.field(metadata={"static": True})
     precision: Any = dataclasses.field(metadata={"static": True})
@@ -114,7 +112,7 @@ class StepInputs:
         params: Any,
         *,
         precision: Any = None,
-        held: Any = None,
+        precision_state: Any = None,
         apply_updates: bool = True,
         extra_args: Mapping[str, Any] | None = None,
     ) -> StepInputs:
@@ -122,14 +120,17 @@ class StepInputs:
 
         ``precision`` is how the params are held (a
         :class:`treeopt._step.precision.Precision`; ``None``: as they are) and
-        ``held`` its state. Arrays and numbers among the extra arguments are
-        inputs of the compiled step; anything else (a ``value_fn``, strings)
-        is static.
+        ``precision_state`` its state. Arrays and numbers among the extra
+        arguments are inputs of the compiled step; anything else (a
+        ``value_fn``, strings) is static.
         """
         leaves, treedef = jax.tree.flatten(dict(extra_args or {}))
         dynamic = [strong(x) if isinstance(x, _DYNAMIC) else None for x in leaves]
         fixed = tuple(None if isinstance(x, _DYNAMIC) else x for x in leaves)
-        return cls(step, opt_state, grads, params, held, dynamic, tx, precision, apply_updates, (treedef, fixed))
+        return cls(
+            step, opt_state, grads, params, precision_state, dynamic,
+            tx, precision, apply_updates, (treedef, fixed),
+        )  # fmt: skip
 
     def extra_args(self) -> dict[str, Any]:
         """The extra arguments of ``tx.update``, joined again from their two parts."""

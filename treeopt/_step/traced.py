@@ -1,7 +1,8 @@
-"""One optimizer step over the flat, named state: the pure function ``Optimizer.update`` runs.
+"""The traced step: :func:`flat_step`, the pure function ``Optimizer.update`` runs (its face is ``treeopt.step``).
 
 :func:`flat_step` applies ``tx.update`` to ``{name: grad}`` and ``{name:
-param}`` and returns a :class:`FlatStep`. Traced inline under a JAX
+param}`` through the params' precision, reads low-bit state as floats and
+encodes it again, and returns a :class:`FlatStep`. Traced inline under a JAX
 transformation; called eagerly, it runs one compiled program per
 transformation and shapes, so an eager step costs one dispatch.
 ``Optimizer.init`` also fixes the state's dtypes here (:func:`stable_dtypes`),
@@ -20,7 +21,7 @@ import jax.numpy as jnp
 import optax
 
 from treeopt._lowbit.state import decoded, encoded_after_step, has_quantized
-from treeopt._step.precision import held_as, narrower, precision_step
+from treeopt._step.precision import Precision, narrower, precision_step
 from treeopt._step.step_io import FlatStep, StepInputs, strong
 from treeopt.typing import Params
 
@@ -126,9 +127,8 @@ def flat_step(
     *,
     apply_updates: bool = True,
     extra_args: Mapping[str, Any] | None = None,
-    master: Mapping[str, Any] | None = None,
-    rounding: Mapping[str, Any] | None = None,
-    param_dtypes: Mapping[str, Any] | None = None,
+    precision: Precision | None = None,
+    precision_state: Any = None,
 ) -> FlatStep:
     """One optimizer step over the flat, named state: a pure function.
 
@@ -154,19 +154,20 @@ def flat_step(
         apply_updates: return the new params (default) or the updates.
         extra_args: keyword arguments for ``tx.update`` (e.g. ``value=loss``),
             over the params as ``tx`` sees them.
-        master: ``{name: array}``, wider copies of some of the params (master
-            weights): ``tx`` runs on them, with the grads cast to their dtype,
-            and the step returns them updated; the output for those names is
-            the new master cast to the param's dtype (``apply_updates``), or
-            that minus the param given, in the master's dtype.
-        rounding: the state of ``param_rounding`` (``{"compensation": {name:
-            array}}`` or ``{"key": key}``): ``tx`` runs on the narrow params cast
-            to float32 and the new values are rounded back into their dtype.
-        param_dtypes: ``{name: dtype}`` of the params that have a master, when
-            ``flat_params`` is ``None``.
+        precision: how the params are held (static: part of the compile
+            key), as an optimizer holds it (``opt.precision``): master
+            weights (``tx`` runs on wider copies, with the grads cast to
+            their dtype; the output for those names is the new copy cast to
+            the param's dtype, or that minus the param given, in the copy's
+            dtype), Kahan or stochastic rounding (``tx`` runs on the narrow
+            params cast to float32, the new values are rounded back into
+            their dtype). ``None``: every param as it is.
+        precision_state: the state of ``precision`` (``opt.precision_state``):
+            the master copies, the compensation buffers or the key.
 
     Returns:
-        A :class:`FlatStep` ``(step + 1, new opt_state, new params or updates)``.
+        A :class:`FlatStep` ``(step + 1, new opt_state, new params or updates,
+        the precision's new state)``.
 
     Example:
         >>> import jax.numpy as jnp, optax
@@ -176,12 +177,10 @@ def flat_step(
         >>> int(out.step), out.output["w"]
         (1, Array([0.5, 0.5], dtype=float32))
     """
-    precision, held = held_as(master, rounding, param_dtypes)
-
     def inputs(extra: Mapping[str, Any] | None = None) -> StepInputs:
         return StepInputs.of(
-            tx, step, opt_state, flat_grads, flat_params,
-            precision=precision, held=held, apply_updates=apply_updates, extra_args=extra,
+            tx, step, opt_state, flat_grads, flat_params, precision=precision,
+            precision_state=precision_state, apply_updates=apply_updates, extra_args=extra,
         )  # fmt: skip
 
     if isinstance(step, jax.core.Tracer):
