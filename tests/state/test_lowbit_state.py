@@ -197,6 +197,29 @@ def test_one_trace_with_donation_and_learning_rate_changes_and_eager_equals_jitt
     )
 
 
+def test_whether_a_twin_is_evaluated_is_static_data_of_the_step_and_flipping_it_compiles_again(monkeypatch):
+    # TWIN_EVALUATION is read while a step's inputs are gathered, into their static data: the eager
+    # step's compiled program is keyed by it, so a flip is never served the other program.
+    updates = []
+    adam = optax.adam(1e-3)
+
+    def update(grads, state, params=None):
+        updates.append(None)  # once per evaluation of tx.update in a trace: twice with a twin
+        return adam.update(grads, state, params)
+
+    tx = optax.GradientTransformation(adam.init, update)
+    params = {"w": jnp.ones((64, 64))}
+    opt = treeopt.Optimizer(tx, state_bits=8).init(params)
+    grads = {"w": jnp.full((64, 64), 0.5)}
+    counts = []
+    for twin in (False, False, True, True, False):
+        monkeypatch.setattr(traced, "TWIN_EVALUATION", twin)
+        opt.update(grads, apply_updates=False)
+        counts.append(len(updates))
+    assert counts == [1, 1, 3, 3, 3]  # traced once each way, a twin evaluating tx.update twice
+    assert int(opt.step) == 5
+
+
 def test_master_weights_with_low_bit_state():
     params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), make_params())
     opt = treeopt.Optimizer(optax.adamw(3e-3), master_dtype=jnp.float32, state_bits=8).init(params)

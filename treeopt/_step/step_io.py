@@ -4,7 +4,8 @@ The inputs travel together as one pytree: the arrays (step count, optax
 state, grads, params, the state of the params' precision, the array extra
 arguments) are its leaves, and what must be static under ``jax.jit`` (the
 transformation, the precision, ``apply_updates``, the non-array extra
-arguments) is its static data. So the eager step is one ``jax.jit`` of one
+arguments, whether low-bit state takes its block maxima from a twin
+evaluation) is its static data. So the eager step is one ``jax.jit`` of one
 argument, whose cache key is exactly the static part.
 
 Example:
@@ -101,6 +102,7 @@ class StepInputs:
     precision: Any = dataclasses.field(metadata={"static": True})
     apply_updates: bool = dataclasses.field(metadata={"static": True})
     static_extra: Any = dataclasses.field(metadata={"static": True})
+    twin: bool = dataclasses.field(default=False, metadata={"static": True})
 
     @classmethod
     def of(
@@ -115,6 +117,7 @@ class StepInputs:
         precision_state: Any = None,
         apply_updates: bool = True,
         extra_args: Mapping[str, Any] | None = None,
+        twin: bool = False,
     ) -> StepInputs:
         """The inputs of one step; the extra arguments split into arrays (traced) and the rest (static).
 
@@ -122,14 +125,15 @@ class StepInputs:
         :class:`treeopt._step.precision.Precision`; ``None``: as they are) and
         ``precision_state`` its state. Arrays and numbers among the extra
         arguments are inputs of the compiled step; anything else (a
-        ``value_fn``, strings) is static.
+        ``value_fn``, strings) is static. ``twin``: low-bit state takes its
+        block maxima from a twin evaluation of the step.
         """
         leaves, treedef = jax.tree.flatten(dict(extra_args or {}))
         dynamic = [strong(x) if isinstance(x, _DYNAMIC) else None for x in leaves]
         fixed = tuple(None if isinstance(x, _DYNAMIC) else x for x in leaves)
         return cls(
             step, opt_state, grads, params, precision_state, dynamic,
-            tx, precision, apply_updates, (treedef, fixed),
+            tx, precision, apply_updates, (treedef, fixed), twin,
         )  # fmt: skip
 
     def extra_args(self) -> dict[str, Any]:

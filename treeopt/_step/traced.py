@@ -89,7 +89,7 @@ def _traced(inputs: StepInputs, extra_args: Mapping[str, Any] | None = None) -> 
     held = inputs.opt_state
     if not has_quantized(held):
         return precision_step(inputs, extra)
-    if not twin_evaluation():
+    if not inputs.twin:
         out = precision_step(dataclasses.replace(inputs, opt_state=decoded(held)), extra)
         return out._replace(opt_state=encoded_after_step(held, out.opt_state))
     twin_inputs = jax.lax.optimization_barrier(inputs)
@@ -100,7 +100,11 @@ def _traced(inputs: StepInputs, extra_args: Mapping[str, Any] | None = None) -> 
 
 
 TWIN_EVALUATION: bool | None = None
-"""Whether a step with low-bit state evaluates a twin for the block maxima: ``None`` decides by the backend."""
+"""Whether a step with low-bit state evaluates a twin for the block maxima: ``None`` decides by the backend.
+
+Read when a step's inputs are gathered, into their static data: a step after
+it changed is compiled again, never served the other program.
+"""
 
 
 def twin_evaluation() -> bool:
@@ -177,10 +181,12 @@ def flat_step(
         >>> int(out.step), out.output["w"]
         (1, Array([0.5, 0.5], dtype=float32))
     """
+    twin = twin_evaluation()
+
     def inputs(extra: Mapping[str, Any] | None = None) -> StepInputs:
         return StepInputs.of(
             tx, step, opt_state, flat_grads, flat_params, precision=precision,
-            precision_state=precision_state, apply_updates=apply_updates, extra_args=extra,
+            precision_state=precision_state, apply_updates=apply_updates, extra_args=extra, twin=twin,
         )  # fmt: skip
 
     if isinstance(step, jax.core.Tracer):
