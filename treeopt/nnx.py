@@ -41,7 +41,7 @@ import jax
 import optax
 from flax import nnx
 
-from treeopt.internal import hyperparameter_attribute
+from treeopt.internal import hyperparameter_attribute, sets_hyperparameter
 from treeopt.optimizer import Optimizer as CoreOptimizer
 from treeopt.typing import OptState, ParamSpecs, StateDict, Updates
 
@@ -298,11 +298,13 @@ class Optimizer(nnx.Pytree, Generic[M]):
         return hyperparameter_attribute(self, name, _raw_value(state).hyperparams)
 
     def __setattr__(self, name: str, value: Any) -> None:
+        # The core's rule (sets_hyperparameter): a hyperparameter is set in the state, the object's own
+        # attributes are its own; as an nnx Pytree it holds any other name as an ordinary attribute.
         state = vars(self).get("treeopt")
-        if state is not None and name not in _OWN and name not in vars(self):
-            if name == "learning_rate" or name in _raw_value(state).hyperparams:
-                self.set_hyperparams({name: value})  # a clear error where tx has no such hyperparameter
-                return
+        own = name in _OWN or name in vars(self) or hasattr(type(self), name)
+        if sets_hyperparameter(name, own, None if state is None else _raw_value(state).hyperparams):
+            self.set_hyperparams({name: value})  # a clear error where tx has no such hyperparameter
+            return
         super().__setattr__(name, value)
 
     def _core(self) -> CoreOptimizer:

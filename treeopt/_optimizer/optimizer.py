@@ -437,7 +437,10 @@ class Optimizer:
         return _hyperparams.hyperparameter_attribute(self, name, found)
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if hasattr(type(self), name):  # its fields and the views of its state: managed
+        # The drop-in's rule too (hyperparams.sets_hyperparameter): the optimizer's own attributes (its
+        # fields and the views of its state) are managed; a hyperparameter is set in the state, and since
+        # the optimizer holds no other attribute, any other name is set_hyperparams' error naming them.
+        if hasattr(type(self), name):
             raise AttributeError(f"Optimizer.{name} is managed by the optimizer; use init/update/load_state_dict.")
         self.set_hyperparams({name: value})
 
