@@ -1,20 +1,35 @@
-"""The optimizer's state as the wings below take it, and an optimizer rebuilt from the parts they return."""
+"""The optimizer's state as the wings below take it, and an optimizer rebuilt from the parts they return.
+
+They read the optimizer's public fields, so this module imports no optimizer: the optimizer imports it.
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, Protocol, TypeVar
 
 import jax
 
 from treeopt._state.state_dict import StateParts
 
-if TYPE_CHECKING:
-    from treeopt._optimizer.optimizer import Optimizer
-
 __all__ = ["state_parts", "with_state_parts"]
 
 
-def state_parts(opt: Optimizer) -> StateParts:
+class HoldsState(Protocol):
+    """What these functions read of an optimizer (``treeopt.Optimizer``, which they never import)."""
+
+    step: Any
+    opt_state: Any
+    precision_state: Any
+    precision: Any
+
+    @property
+    def layout(self) -> Any: ...
+
+
+Held = TypeVar("Held")
+
+
+def state_parts(opt: HoldsState) -> StateParts:
     """The leaves of an initialized optimizer's state, as the layers below it take them.
 
     Example:
@@ -27,7 +42,7 @@ def state_parts(opt: Optimizer) -> StateParts:
     return StateParts(opt.step, opt.opt_state, opt.precision_state, opt.precision)
 
 
-def with_state_parts(opt: Optimizer, parts: StateParts) -> Optimizer:
+def with_state_parts(opt: Held, parts: StateParts) -> Held:
     """A new optimizer like ``opt`` (same transformation and layout) holding ``parts``.
 
     Example:
