@@ -25,7 +25,7 @@ import pytest
 import treeopt
 from treeopt._lowbit import statistics
 from treeopt._lowbit.codec import Format, QuantizedLeaf, is_quantized
-from treeopt._tree.paths import flatten_paths
+from treeopt._state.plain import flatten_paths
 from treeopt.errors import StateDictError, StateDictWarning
 
 from _helpers import x64

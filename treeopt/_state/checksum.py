@@ -18,7 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from treeopt._tree.paths import Path, flatten_paths
+from treeopt._state.plain import flatten_paths
+from treeopt._tree.paths import Path
 from treeopt.keys import is_key
 
 CHECKSUM_KEY = "checksum"
