@@ -101,7 +101,7 @@ class StateParts:
 
 def plain_state(parts: StateParts) -> dict[str, Any]:
     """The state dict of ``parts`` built from its leaves as they are (also for a tree of indices)."""
-    return {"step": key_data(parts.step), "opt_state": to_plain(parts.opt_state), **parts.entries()}
+    return {"step": key_data(parts.step), "opt_state": to_plain(parts.opt_state), **to_plain(parts.entries())}
 
 
 def state_dict(parts: StateParts) -> dict[str, Any]:

@@ -58,7 +58,6 @@ import optax
 from treeopt._sharding.explicit import resharded_like
 from treeopt._step.rounding import stochastic_round
 from treeopt._step.step_io import FlatStep, StepInputs, next_step
-from treeopt.keys import key_data
 
 __all__ = [
     "AS_IS",
@@ -187,7 +186,7 @@ class Precision:
         return {}, state
 
     def entries(self, state: Any) -> dict[str, Any]:
-        """This precision's entries of the optimizer's state dict, from its state."""
+        """This precision's entries of the optimizer's state dict, from its state (before their plain form)."""
         return {}
 
     def shown(self, state: Any) -> Any:
@@ -452,7 +451,7 @@ class Stochastic(_Rounded):
         return new, StochasticState(key)
 
     def entries(self, state: Any) -> dict[str, Any]:
-        return {"rounding_key": key_data(state.key)}
+        return {"rounding_key": state.key}  # written as its key data, as every typed key in a state dict
 
 
 ROUNDINGS: dict[str, type[_Rounded]] = {"kahan": Kahan, "stochastic": Stochastic}
