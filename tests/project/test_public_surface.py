@@ -166,14 +166,14 @@ def test_modules_and_functions_stay_small():
 
 WINGS = ("_compat", "_tree", "_sharding", "_lowbit", "_step", "_state", "_update", "_optimizer", "_checkpoint")
 # What each wing may import of treeopt, besides itself and the foundations every layer uses.
-FOUNDATIONS = {"treeopt.errors", "treeopt.keys", "treeopt.typing"}
+FOUNDATIONS = {"treeopt.errors", "treeopt.typing"}
 MAY_IMPORT = {
     "_compat": set(),
     "_tree": {"_compat"},
     "_sharding": {"_compat", "_tree"},
     "_lowbit": {"_compat", "_tree", "_sharding"},
     "_step": {"_compat", "_tree", "_sharding", "_lowbit"},
-    "_state": {"_compat", "_tree", "_sharding", "_lowbit", "_step"},
+    "_state": {"_compat", "_tree", "_sharding", "_lowbit"},
     "_update": {"_compat", "_tree", "_sharding", "_step"},
     "_optimizer": {"_compat", "_tree", "_sharding", "_lowbit", "_step", "_state", "_update"},
     "_checkpoint": {"_compat", "_tree", "_state", "_sharding", "_optimizer"},

@@ -12,5 +12,5 @@
 
 May import: ``treeopt._compat``, ``treeopt._tree``, ``treeopt._sharding``,
 ``treeopt._state``, ``treeopt._optimizer`` (what a checkpoint holds and restores into),
-``treeopt.errors``, ``treeopt.keys``. The public face is ``treeopt.checkpoint``.
+``treeopt.errors``. The public face is ``treeopt.checkpoint``.
 """

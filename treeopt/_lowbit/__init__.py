@@ -11,7 +11,7 @@
 
 May import: ``treeopt._compat``, ``treeopt._tree``, ``treeopt._sharding``
 (the spec contract a low-bit leaf answers to), ``treeopt.errors``,
-``treeopt.keys``, ``treeopt.typing``. It is handed the state and the layout
+``treeopt.typing``. It is handed the state and the layout
 and returns state, never the optimizer; the step (``treeopt._step``) and the
 state-dict engine (``treeopt._state``) build on it.
 """

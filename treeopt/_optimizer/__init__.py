@@ -5,7 +5,7 @@
 
 May import: ``treeopt._compat``, ``treeopt._tree``, ``treeopt._sharding``,
 ``treeopt._lowbit``, ``treeopt._step``, ``treeopt._state``, ``treeopt._update``,
-``treeopt.hyperparams``, ``treeopt.errors``, ``treeopt.keys``,
+``treeopt.hyperparams``, ``treeopt.errors``,
 ``treeopt.typing``. Never a face above it (``treeopt.optimizer``, the
 package), the drop-ins or ``treeopt._checkpoint``: the wings below are handed
 its parts and return parts, and nothing calls it back.

@@ -16,8 +16,8 @@ from typing import Any
 import flax.serialization
 import jax
 
+from treeopt._state.keys import key_data
 from treeopt._tree.paths import Path
-from treeopt.keys import key_data
 
 
 def _entry_str(entry: Any) -> str:

@@ -45,12 +45,12 @@ from treeopt._state.engine import (
     match,
     read_verified,
 )
+from treeopt._state.keys import key_data
 from treeopt._state.plain import flatten_paths, to_plain
 from treeopt._state.policies import EXACT, EXACT_OR_WIDER
 from treeopt._state.step_rule import refuse_a_negative_step
 from treeopt._tree.paths import Path, path_str
 from treeopt.errors import LoadReport
-from treeopt.keys import key_data
 
 _LOAD = Messages(
     lead="The state dict does not match this optimizer (paths are "

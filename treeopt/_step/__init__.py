@@ -16,7 +16,7 @@
 
 May import: ``treeopt._compat``, ``treeopt._tree``, ``treeopt._sharding``
 (explicit-axes resharding), ``treeopt._lowbit`` (low-bit state around the
-step), ``treeopt.errors``, ``treeopt.keys``, ``treeopt.typing``. It is handed
+step), ``treeopt.errors``, ``treeopt.typing``. It is handed
 the optimizer's parts (layout, state, params, precision) and returns parts,
 never the optimizer.
 """
