@@ -48,9 +48,11 @@ _REBUILT = frozenset(_FIELDS) - {"tx", "wrt", "state_bits"}
 class Optimizer:
     """An optax optimizer that is a PyTree holding its own state.
 
-    ``tx`` and the parameter names are static; ``step`` and ``opt_state`` are the
-    leaves. Pass it through ``jax.jit`` (or ``vmap``) like any other state and
-    return it; ``update`` changes its state in place and returns new params.
+    ``tx``, the parameter names and how the params are held (its
+    ``precision``) are static; ``step``, ``opt_state`` and ``precision_state``
+    are the leaves. Pass it through ``jax.jit`` (or ``vmap``) like any other
+    state and return it; ``update`` changes its state in place and returns
+    new params.
 
     Args:
         tx: the optax transformation (an ``optax.MultiSteps`` is accepted too).
