@@ -295,3 +295,39 @@ def test_flax_nnx_is_imported_by_at_most_two_core_modules():
             ):
                 importing.append(path.name)
     assert len(set(importing)) <= 2, sorted(set(importing))
+
+
+# Hand-written pytree registrations, which one style (fields declared once) replaces outside the T5X mirror.
+_HAND_WRITTEN = {
+    "register_pytree_node",
+    "register_pytree_node_class",
+    "register_pytree_with_keys",
+    "register_pytree_with_keys_class",
+}
+
+
+def test_pytree_fields_are_declared_once_outside_the_t5x_mirror():
+    offending = []
+    for path in _modules():
+        if "t5x" in path.relative_to(PACKAGE).parts:
+            continue
+        for node in ast.walk(_parsed(path)):
+            called = node.func if isinstance(node, ast.Call) else None
+            name = called.attr if isinstance(called, ast.Attribute) else getattr(called, "id", None)
+            decorated = isinstance(node, ast.ClassDef) and any(
+                (d.attr if isinstance(d, ast.Attribute) else getattr(d, "id", None)) in _HAND_WRITTEN
+                for d in node.decorator_list
+            )
+            methods = isinstance(node, ast.FunctionDef) and node.name.lstrip("_").startswith(
+                ("tree_flatten", "tree_unflatten")
+            )
+            if name in _HAND_WRITTEN or decorated or methods:
+                offending.append(f"{path.relative_to(PACKAGE)}:{node.lineno}")
+    assert not offending
+
+
+def test_the_nnx_drop_in_imports_the_core_optimizer_module_not_the_package_face():
+    imported = _treeopt_imports(PACKAGE / "nnx.py")
+    assert "treeopt.optimizer" in imported and "treeopt" not in imported
+    tree = _parsed(PACKAGE / "nnx.py")
+    assert not [n for n in ast.walk(tree) if isinstance(n, ast.Import) and any(a.name == "treeopt" for a in n.names)]
