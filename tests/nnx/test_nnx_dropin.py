@@ -470,6 +470,14 @@ def test_assigning_an_attribute_follows_the_cores_rule():
         core.precision_state = None
     optimizer.note = "an ordinary attribute"
     assert optimizer.note == "an ordinary attribute"
+    # The object's own attributes come first, even where a hyperparameter has the same name.
+    named_like_wrt = optax.inject_hyperparams(lambda wrt: optax.scale(wrt))(wrt=0.5)
+    optimizer = treeopt.nnx.Optimizer(Net(), named_like_wrt, wrt=nnx.Param)
+    core = treeopt.Optimizer(named_like_wrt).init(as_pure(nnx.state(Net(), nnx.Param)))
+    optimizer.wrt = nnx.Param  # the drop-in's own filter, not the hyperparameter
+    with pytest.raises(AttributeError, match="managed by the optimizer"):
+        core.wrt = None
+    assert float(optimizer.hyperparams["wrt"]) == float(core.hyperparams["wrt"]) == 0.5
 
 
 def test_state_is_one_treeopt_optimizer_keyed_by_name():
