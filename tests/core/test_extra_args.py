@@ -142,11 +142,12 @@ def test_value_fn_gets_untrained_leaves():
         return jnp.sum((p["w"] - p["frozen"]) ** 2)
 
     opt = treeopt.Optimizer(optax.lbfgs(), wrt="w").init(params)
-    for i in range(3):
+    first = None
+    for _ in range(3):
         value, g = jax.value_and_grad(lambda w, p=params: jnp.sum((w - p["frozen"]) ** 2))(params["w"])
         grad = {"w": g}  # the trained entries only, matched by name
         params = opt.update(grad, params, value=value, grad=grad, value_fn=value_fn)
-        first = len(traced) if i == 0 else first
+        first = len(traced) if first is None else first
         params = {**params, "n": params["n"] + 1}  # an untrained array that changes, as batch statistics do
     # The untrained arrays are inputs of the compiled step, not its cache key: it compiles once.
     assert first > 0 and len(traced) == first
