@@ -30,7 +30,7 @@ import treeopt
 from benchmarks._common import FULL, QUICK, SMOKE, Profile, Row
 from benchmarks.memory_ladder import CONFIGS, corpus, windows
 from benchmarks.mixed_precision import transformer_loss, transformer_params
-from treeopt._step import lowbit_maps
+from treeopt._lowbit import maps as lowbit_maps
 
 CASE = "lowbit_maps"
 BLOCK = 128

@@ -11,7 +11,7 @@ import numpy as np
 import optax
 
 import treeopt
-from treeopt._tree.paths import flatten_paths as flatten
+from treeopt._state.plain import flatten_paths as flatten
 
 # Each entry builds a fresh transformation; the factory gets no arguments.
 TRANSFORMATIONS = {

@@ -142,6 +142,31 @@ def hyperparameter_attribute(owner: object, name: str, found: Mapping[str, Any])
     )
 
 
+def sets_hyperparameter(name: str, own: bool, found: Mapping[str, Any] | None) -> bool:
+    """Whether ``optimizer.name = value`` sets an injected hyperparameter: one rule for every optimizer.
+
+    ``treeopt.Optimizer`` and the ``treeopt.nnx`` drop-in both follow it. A
+    name that is ``own``, an attribute of the object itself (the optimizer's
+    fields and properties, the drop-in's attributes), is the object's. Any
+    other name sets a hyperparameter when ``found`` (the state's
+    hyperparameters by qualified name; ``None`` before there is a state)
+    names it, whole or by its last part (an ambiguous one is then refused,
+    naming the qualified ones), and so does ``learning_rate``, which every
+    optimizer is expected to have: where ``tx`` injects none, setting it is
+    the error that says how. What else is assigned is up to the object: the
+    core holds nothing else (an error), an nnx drop-in an ordinary attribute.
+
+    Example:
+        >>> sets_hyperparameter("b1", False, {"adam/b1": 0.9}), sets_hyperparameter("note", False, {"adam/b1": 0.9})
+        (True, False)
+        >>> sets_hyperparameter("learning_rate", False, {}), sets_hyperparameter("step", True, {"step": 1})
+        (True, False)
+    """
+    if own or found is None:
+        return False
+    return name == "learning_rate" or any(q == name or q.rsplit("/", 1)[-1] == name for q in found)
+
+
 def _resolve(located: dict[str, tuple[Any, str]], key: str) -> list[tuple[Any, str]]:
     if key in located:
         return [located[key]]

@@ -5,10 +5,11 @@ call the public modules (``treeopt``, ``treeopt.serialization``,
 ``treeopt.checkpoint``, ``treeopt.partitioning``, ...); a layer that keeps
 the optimizer's state in another shape uses these to share the core's work
 rather than repeat it: the state-dict engine and its policies, the checksum,
-the checked conversion of hyperparameter values and their reading as
-attributes, the refusal of a negative step, the names of key paths,
-the spec derivation that ZeRO-1 builds on, the check of a spec tree
-against the params, and the placement of new params on their old shardings.
+the checked conversion of hyperparameter values, their reading as
+attributes and the one rule of assigning them, the refusal of a negative
+step, the names of key paths, the spec derivation that ZeRO-1 builds on, the
+check of a spec tree against the params, and the placement of new params on
+their old shardings.
 
 Example:
     >>> import jax.numpy as jnp
@@ -32,9 +33,9 @@ from treeopt._sharding.zero import ZeroLeafSpec, zero_leaf_spec
 from treeopt._state.checksum import with_checksum
 from treeopt._state.engine import Messages, StateDictSource, Target, load
 from treeopt._state.policies import BY_KIND, EXACT, Policy
-from treeopt._step.step_rule import refuse_a_negative_step
+from treeopt._state.step_rule import refuse_a_negative_step
 from treeopt._tree.paths import path_to_name
-from treeopt.hyperparams import checked_value, hyperparameter_attribute
+from treeopt.hyperparams import checked_value, hyperparameter_attribute, sets_hyperparameter
 
 __all__ = [
     "BY_KIND",
@@ -55,6 +56,7 @@ __all__ = [
     "placed_like",
     "placements",
     "refuse_a_negative_step",
+    "sets_hyperparameter",
     "spec_leaves_with_names",
     "with_checksum",
     "zero_leaf_spec",

@@ -41,8 +41,8 @@ import jax
 import optax
 from flax import nnx
 
-import treeopt
-from treeopt.internal import hyperparameter_attribute, placed_like, placements
+from treeopt.internal import hyperparameter_attribute, placed_like, placements, sets_hyperparameter
+from treeopt.optimizer import Optimizer as CoreOptimizer
 from treeopt.typing import OptState, ParamSpecs, StateDict, Updates
 
 __all__ = ["ModelAndOptimizer", "Optimizer"]
@@ -107,7 +107,7 @@ class Optimizer(nnx.Pytree, Generic[M]):
         # Where the trained variables live: under auto mesh axes a traced update cannot read it, and the
         # new values would take the layout of the (ZeRO-split) state instead.
         self.placements = placements(params)
-        self.treeopt = HeldOptimizer(treeopt.Optimizer(tx, **kwargs).init(params))
+        self.treeopt = HeldOptimizer(CoreOptimizer(tx, **kwargs).init(params))
 
     # -- what nnx.Optimizer has ------------------------------------------------------
 
@@ -263,7 +263,7 @@ class Optimizer(nnx.Pytree, Generic[M]):
         *,
         shard_state_over: str | Sequence[str] | None = None,
         mesh: jax.sharding.Mesh | None = None,
-    ) -> treeopt.Optimizer:
+    ) -> CoreOptimizer:
         """A ``PartitionSpec`` for every leaf of ``optimizer.treeopt``'s value (:meth:`treeopt.Optimizer.partition_specs`).
 
         ``param_specs`` is a tree of specs by name, such as
@@ -301,24 +301,26 @@ class Optimizer(nnx.Pytree, Generic[M]):
         return hyperparameter_attribute(self, name, _raw_value(state).hyperparams)
 
     def __setattr__(self, name: str, value: Any) -> None:
+        # The core's rule (sets_hyperparameter): a hyperparameter is set in the state, the object's own
+        # attributes are its own; as an nnx Pytree it holds any other name as an ordinary attribute.
         state = vars(self).get("treeopt")
-        if state is not None and name not in _OWN and name not in vars(self):
-            if name == "learning_rate" or name in _raw_value(state).hyperparams:
-                self.set_hyperparams({name: value})  # a clear error where tx has no such hyperparameter
-                return
+        own = name in _OWN or name in vars(self) or hasattr(type(self), name)
+        if sets_hyperparameter(name, own, None if state is None else _raw_value(state).hyperparams):
+            self.set_hyperparams({name: value})  # a clear error where tx has no such hyperparameter
+            return
         super().__setattr__(name, value)
 
-    def _core(self) -> treeopt.Optimizer:
-        core: treeopt.Optimizer = _raw_value(self.treeopt)
+    def _core(self) -> CoreOptimizer:
+        core: CoreOptimizer = _raw_value(self.treeopt)
         return core
 
     # -- checkpoints: treeopt.checkpoint saves the optimizer held, and restores into a copy -----
 
-    def __treeopt_optimizer__(self) -> treeopt.Optimizer:
+    def __treeopt_optimizer__(self) -> CoreOptimizer:
         """The :class:`treeopt.Optimizer` held, which ``treeopt.checkpoint.save`` writes."""
         return self._core()
 
-    def __treeopt_with__(self, core: treeopt.Optimizer) -> Optimizer[M]:
+    def __treeopt_with__(self, core: CoreOptimizer) -> Optimizer[M]:
         """A copy of this drop-in holding ``core``: what ``treeopt.checkpoint.restore`` returns."""
         new = nnx.clone(self)
         _set_value(new.treeopt, core)
@@ -341,17 +343,17 @@ class HeldOptimizer(nnx.Pytree):
         (0, 'OptState')
     """
 
-    def __init__(self, value: treeopt.Optimizer):
+    def __init__(self, value: CoreOptimizer):
         self.set_value(value)
 
-    def get_value(self) -> treeopt.Optimizer:
+    def get_value(self) -> CoreOptimizer:
         """The :class:`treeopt.Optimizer`, rebuilt from the variables' values."""
         leaves = [_raw_value(v) for v in jax.tree.leaves(self._variables(), is_leaf=_is_variable)]
         return jax.tree.unflatten(self.structure, leaves)
 
     get_raw_value = get_value
 
-    def set_value(self, value: treeopt.Optimizer) -> None:
+    def set_value(self, value: CoreOptimizer) -> None:
         """Replaces the optimizer: in place, variable by variable, where its structure is unchanged."""
         structure = jax.tree.structure(value)
         current = vars(self).get("structure")
@@ -368,12 +370,12 @@ class HeldOptimizer(nnx.Pytree):
         self.rounding = nnx.data(held.rounding) if hasattr(nnx, "data") else held.rounding
 
     @property
-    def value(self) -> treeopt.Optimizer:
+    def value(self) -> CoreOptimizer:
         """The :class:`treeopt.Optimizer` (``get_value()``; the name flax 0.12.0 reads)."""
         return self.get_value()
 
     @value.setter
-    def value(self, value: treeopt.Optimizer) -> None:
+    def value(self, value: CoreOptimizer) -> None:
         self.set_value(value)
 
     def _variables(self) -> tuple[Any, Any, Any, Any]:

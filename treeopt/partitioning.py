@@ -30,11 +30,12 @@ from flax.core import meta
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from treeopt._compat.deprecations import moved_names
+from treeopt._optimizer.optimizer import Optimizer
+from treeopt._optimizer.parts import state_parts
 from treeopt._sharding.abstract import eval_shape
-from treeopt._sharding.optimizer_specs import checked_param_specs, param_owned
+from treeopt._sharding.optimizer_specs import checked_param_specs
 from treeopt._sharding.specs import check_axes, is_spec
 from treeopt._sharding.zero import ZeroLeaf, ZeroReport, zero_plan
-from treeopt.optimizer import Optimizer, state_parts
 from treeopt.typing import Params, ParamSpecs
 
 __all__ = [
@@ -274,7 +275,7 @@ def zero_report(
         [('opt_state[0].count', 'not param-owned')]
     """
     flat = checked_param_specs(_mesh_specs(param_specs, rules), opt.layout, mesh)
-    return zero_plan(param_owned(state_parts(opt)), opt.layout, flat, shard_state_over, mesh)[1]
+    return zero_plan(state_parts(opt).by_part(), opt.layout, flat, shard_state_over, mesh)[1]
 
 
 def _has_boxes(tree: Any) -> bool:

@@ -27,11 +27,12 @@ import flax.serialization
 
 from treeopt import errors
 from treeopt._compat.deprecations import moved_names
+from treeopt._optimizer.optimizer import Optimizer
+from treeopt._optimizer.parts import state_parts, with_state_parts
 from treeopt._state import state_dict as _sd
 from treeopt._state.checksum import CHECKSUM_KEY, with_checksum
 from treeopt._tree.masks import name_matcher
 from treeopt.errors import LoadReport, StateDictError, StateDictWarning
-from treeopt.optimizer import Optimizer, state_parts, with_state_parts
 
 __all__ = [
     "CHECKSUM_KEY",

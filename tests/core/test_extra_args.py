@@ -134,16 +134,23 @@ def test_value_fn_sees_params_in_the_structure_given_to_update():
 def test_value_fn_gets_untrained_leaves():
     """An equinox-like tree with a frozen leaf and a Python field reaches value_fn whole."""
     params = {"w": jnp.array([2.0, -1.0]), "frozen": jnp.array([0.5, 0.5]), "name": "toy", "n": jnp.int32(3)}
+    traced = []
 
     def value_fn(p):
         assert p["name"] == "toy" and p["n"].dtype == jnp.int32
+        traced.append(None)  # Python runs only while tracing
         return jnp.sum((p["w"] - p["frozen"]) ** 2)
 
     opt = treeopt.Optimizer(optax.lbfgs(), wrt="w").init(params)
+    first = None
     for _ in range(3):
-        value, g = jax.value_and_grad(lambda w, p=params: value_fn({**p, "w": w}))(params["w"])
+        value, g = jax.value_and_grad(lambda w, p=params: jnp.sum((w - p["frozen"]) ** 2))(params["w"])
         grad = {"w": g}  # the trained entries only, matched by name
         params = opt.update(grad, params, value=value, grad=grad, value_fn=value_fn)
+        first = len(traced) if first is None else first
+        params = {**params, "n": params["n"] + 1}  # an untrained array that changes, as batch statistics do
+    # The untrained arrays are inputs of the compiled step, not its cache key: it compiles once.
+    assert first > 0 and len(traced) == first
     np.testing.assert_allclose(np.asarray(params["w"]), [0.5, 0.5], atol=1e-5)
     np.testing.assert_array_equal(np.asarray(params["frozen"]), [0.5, 0.5])
 

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 import treeopt
 
@@ -99,6 +100,23 @@ def test_copies_are_independent():
     shallow.update(jax.tree.map(jnp.ones_like, PARAMS), PARAMS)
     assert int(shallow.step) == 1 and int(opt.step) == 0 and int(deep.step) == 0
     assert deep.paths == opt.paths
+
+
+def test_a_copy_keeps_the_precision_and_its_state():
+    params = {"w": jnp.ones((3,), jnp.bfloat16)}
+    opt = treeopt.Optimizer(optax.sgd(0.5), param_rounding="stochastic", rounding_seed=5).init(params)
+    opt.update({"w": jnp.ones((3,), jnp.bfloat16)}, params)
+    deep = copy.deepcopy(opt)
+    assert deep.precision == opt.precision and int(deep.step) == 1 and deep.paths == opt.paths
+    assert jax.tree.structure(deep) == jax.tree.structure(opt)
+    np.testing.assert_array_equal(jax.random.key_data(deep.rounding["key"]), jax.random.key_data(opt.rounding["key"]))
+    fresh = copy.deepcopy(treeopt.Optimizer(optax.sgd(0.5)))
+    assert not fresh.initialized and jax.tree.leaves(fresh) == []
+
+
+def test_the_fields_jax_rebuilds_an_optimizer_from_are_no_options():
+    with pytest.raises(TypeError, match="unexpected keyword argument 'step'"):
+        treeopt.Optimizer(optax.sgd(0.5), step=jnp.int32(3))
 
 
 def test_repr_shows_transformation_step_and_size():

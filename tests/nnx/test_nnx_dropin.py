@@ -454,6 +454,32 @@ def test_hyperparameter_errors_are_the_cores():
     assert optimizer.note == "an ordinary attribute"
 
 
+def test_assigning_an_attribute_follows_the_cores_rule():
+    # One rule for both: a hyperparameter, named whole or by its last part, is set in the state (an
+    # ambiguous last part is refused, naming the whole names); the object's own attributes are its own.
+    scale = optax.inject_hyperparams(optax.scale)
+    tx = optax.chain(scale(step_size=0.1), scale(step_size=0.2))
+    optimizer = treeopt.nnx.Optimizer(Net(), tx, wrt=nnx.Param)
+    core = treeopt.Optimizer(tx).init(as_pure(nnx.state(Net(), nnx.Param)))
+    for owner in (optimizer, core):
+        with pytest.raises(AttributeError, match=r"'step_size' occurs several times; set one of \['0/step_size'"):
+            owner.step_size = 0.5  # the drop-in used to keep it as an ordinary attribute, silently
+        owner.set_hyperparams({"1/step_size": 0.5})
+        assert float(owner.hyperparams["1/step_size"]) == 0.5
+    with pytest.raises(AttributeError, match="managed by the optimizer"):
+        core.precision_state = None
+    optimizer.note = "an ordinary attribute"
+    assert optimizer.note == "an ordinary attribute"
+    # The object's own attributes come first, even where a hyperparameter has the same name.
+    named_like_wrt = optax.inject_hyperparams(lambda wrt: optax.scale(wrt))(wrt=0.5)
+    optimizer = treeopt.nnx.Optimizer(Net(), named_like_wrt, wrt=nnx.Param)
+    core = treeopt.Optimizer(named_like_wrt).init(as_pure(nnx.state(Net(), nnx.Param)))
+    optimizer.wrt = nnx.Param  # the drop-in's own filter, not the hyperparameter
+    with pytest.raises(AttributeError, match="managed by the optimizer"):
+        core.wrt = None
+    assert float(optimizer.hyperparams["wrt"]) == float(core.hyperparams["wrt"]) == 0.5
+
+
 def test_state_is_one_treeopt_optimizer_keyed_by_name():
     model = Net()
     optimizer = treeopt.nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)

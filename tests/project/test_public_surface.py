@@ -164,18 +164,22 @@ def test_modules_and_functions_stay_small():
 
 # -- the wings -------------------------------------------------------------------------------------
 
-WINGS = ("_compat", "_tree", "_sharding", "_step", "_state", "_update", "_checkpoint")
+WINGS = ("_compat", "_tree", "_sharding", "_lowbit", "_step", "_state", "_update", "_optimizer", "_checkpoint")
 # What each wing may import of treeopt, besides itself and the foundations every layer uses.
-FOUNDATIONS = {"treeopt.errors", "treeopt.keys", "treeopt.typing"}
+FOUNDATIONS = {"treeopt.errors", "treeopt.typing"}
 MAY_IMPORT = {
     "_compat": set(),
     "_tree": {"_compat"},
     "_sharding": {"_compat", "_tree"},
-    "_step": {"_compat", "_tree", "_sharding"},
-    "_state": {"_compat", "_tree", "_sharding", "_step"},
+    "_lowbit": {"_compat", "_tree", "_sharding"},
+    "_step": {"_compat", "_tree", "_sharding", "_lowbit"},
+    "_state": {"_compat", "_tree", "_sharding", "_lowbit"},
     "_update": {"_compat", "_tree", "_sharding", "_step"},
-    "_checkpoint": {"_compat", "_tree", "_state", "_sharding"},
+    "_optimizer": {"_compat", "_tree", "_sharding", "_lowbit", "_step", "_state", "_update"},
+    "_checkpoint": {"_compat", "_tree", "_state", "_sharding", "_optimizer"},
 }
+# Public modules a wing may import besides the foundations: the optimizer reads hyperparameters.
+MAY_IMPORT_FACES = {"_optimizer": {"treeopt.hyperparams"}}
 # The one module allowed to touch JAX private APIs.
 JAX_PRIVATE = PACKAGE / "_compat" / "jax_private.py"
 # The homes of other libraries' private members: JAX's, and optax's (read by name, never reached into).
@@ -214,7 +218,7 @@ def test_each_wing_says_what_it_is_for_and_imports_only_what_it_may(wing):
     assert len(modules) >= 2
     doc = ast.get_docstring(_parsed(PACKAGE / wing / "__init__.py"))
     assert doc and "May import" in doc
-    allowed = {f"treeopt.{w}" for w in MAY_IMPORT[wing] | {wing}} | FOUNDATIONS
+    allowed = {f"treeopt.{w}" for w in MAY_IMPORT[wing] | {wing}} | FOUNDATIONS | MAY_IMPORT_FACES.get(wing, set())
     offending = [
         f"{path.name}: {module}"
         for path in modules
@@ -293,3 +297,39 @@ def test_flax_nnx_is_imported_by_at_most_two_core_modules():
             ):
                 importing.append(path.name)
     assert len(set(importing)) <= 2, sorted(set(importing))
+
+
+# Hand-written pytree registrations, which one style (fields declared once) replaces outside the T5X mirror.
+_HAND_WRITTEN = {
+    "register_pytree_node",
+    "register_pytree_node_class",
+    "register_pytree_with_keys",
+    "register_pytree_with_keys_class",
+}
+
+
+def test_pytree_fields_are_declared_once_outside_the_t5x_mirror():
+    offending = []
+    for path in _modules():
+        if "t5x" in path.relative_to(PACKAGE).parts:
+            continue
+        for node in ast.walk(_parsed(path)):
+            called = node.func if isinstance(node, ast.Call) else None
+            name = called.attr if isinstance(called, ast.Attribute) else getattr(called, "id", None)
+            decorated = isinstance(node, ast.ClassDef) and any(
+                (d.attr if isinstance(d, ast.Attribute) else getattr(d, "id", None)) in _HAND_WRITTEN
+                for d in node.decorator_list
+            )
+            methods = isinstance(node, ast.FunctionDef) and node.name.lstrip("_").startswith(
+                ("tree_flatten", "tree_unflatten")
+            )
+            if name in _HAND_WRITTEN or decorated or methods:
+                offending.append(f"{path.relative_to(PACKAGE)}:{node.lineno}")
+    assert not offending
+
+
+def test_the_nnx_drop_in_imports_the_core_optimizer_module_not_the_package_face():
+    imported = _treeopt_imports(PACKAGE / "nnx.py")
+    assert "treeopt.optimizer" in imported and "treeopt" not in imported
+    tree = _parsed(PACKAGE / "nnx.py")
+    assert not [n for n in ast.walk(tree) if isinstance(n, ast.Import) and any(a.name == "treeopt" for a in n.names)]

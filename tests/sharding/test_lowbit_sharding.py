@@ -226,3 +226,27 @@ def test_warm_start_from_live_zero_low_bit_state_is_the_same_on_both_axis_types(
         results[axis_type] = warm
     for got, want in zip(*(jax.tree.leaves(results[t]) for t in results), strict=True):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+class _Lookalike:
+    """An object with a low-bit leaf's two method names, but no part of its contract."""
+
+    shape = (4, 8)
+    dtype = jnp.dtype(jnp.float32)
+
+    def partition_specs(self, param_spec, axis_sizes=None):
+        raise AssertionError("asked for its specs")
+
+    def zero_axes(self, param_spec, shards):
+        raise AssertionError("asked for its ZeRO axes")
+
+
+def test_only_a_leaf_that_subclasses_the_spec_contract_is_asked_for_its_specs():
+    from treeopt._lowbit.codec import quantize
+    from treeopt._sharding.specs import SpecifiesItself, is_self_specified, state_leaf_specs
+    from treeopt.layout import ParamLayout
+
+    assert is_self_specified(quantize(jnp.ones((4, 64)), bits=8)) and not is_self_specified(_Lookalike())
+    layout = ParamLayout.of({"w": jnp.ones((4, 8))})
+    _, [leaf] = state_leaf_specs({"w": _Lookalike()}, layout, {"w": P("data", "model")}, {"data": 2, "model": 2})
+    assert leaf.spec == P("data", "model")  # the spec of any leaf shaped like its param: its methods unasked
+    with pytest.raises(TypeError, match="abstract"):
+        SpecifiesItself()  # the contract is abstract: its methods must be written

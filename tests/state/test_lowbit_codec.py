@@ -10,8 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from treeopt._step import lowbit, lowbit_maps
-from treeopt._step.lowbit import (
+from treeopt._lowbit import codec as lowbit
+from treeopt._lowbit import maps as lowbit_maps
+from treeopt._lowbit.codec import (
     Format,
     QuantizedLeaf,
     block_layout,
@@ -24,7 +25,7 @@ from treeopt._step.lowbit import (
     is_quantized,
     scales_shape,
 )
-from treeopt._step.lowbit import quantize as quantize_eagerly
+from treeopt._lowbit.codec import quantize as quantize_eagerly
 
 from _helpers import x64
 

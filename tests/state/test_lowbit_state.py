@@ -22,7 +22,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import treeopt
-from treeopt._step.lowbit import Format, QuantizedLeaf, is_quantized
+from treeopt._lowbit.codec import Format, QuantizedLeaf, is_quantized
+from treeopt._step import traced
 from treeopt.errors import StateDictError
 
 from _helpers import assert_trees_equal
@@ -194,6 +195,29 @@ def test_one_trace_with_donation_and_learning_rate_changes_and_eager_equals_jitt
     np.testing.assert_allclose(
         jax.tree.leaves(eager_params)[0], jax.tree.leaves(params)[0], rtol=1e-5, atol=1e-6
     )
+
+
+def test_whether_a_twin_is_evaluated_is_static_data_of_the_step_and_flipping_it_compiles_again(monkeypatch):
+    # TWIN_EVALUATION is read while a step's inputs are gathered, into their static data: the eager
+    # step's compiled program is keyed by it, so a flip is never served the other program.
+    updates = []
+    adam = optax.adam(1e-3)
+
+    def update(grads, state, params=None):
+        updates.append(None)  # once per evaluation of tx.update in a trace: twice with a twin
+        return adam.update(grads, state, params)
+
+    tx = optax.GradientTransformation(adam.init, update)
+    params = {"w": jnp.ones((64, 64))}
+    opt = treeopt.Optimizer(tx, state_bits=8).init(params)
+    grads = {"w": jnp.full((64, 64), 0.5)}
+    counts = []
+    for twin in (False, False, True, True, False):
+        monkeypatch.setattr(traced, "TWIN_EVALUATION", twin)
+        opt.update(grads, apply_updates=False)
+        counts.append(len(updates))
+    assert counts == [1, 1, 3, 3, 3]  # traced once each way, a twin evaluating tx.update twice
+    assert int(opt.step) == 5
 
 
 def test_master_weights_with_low_bit_state():
@@ -385,7 +409,7 @@ def test_a_donated_eight_bit_step_overwrites_its_codes_instead_of_copying_them(m
     # written, so XLA reuses the donated code buffers: the step's scratch is the partial
     # block maxima (an eighth of each moment, in float32: a byte per element for two
     # moments), not a copy of a moment's codes on top.
-    monkeypatch.setattr(treeopt.step, "TWIN_EVALUATION", True)  # as on a CPU, on any backend
+    monkeypatch.setattr(traced, "TWIN_EVALUATION", True)  # as on a CPU, on any backend
     params = {"w": jnp.ones((512, 1024))}
     opt = treeopt.Optimizer(optax.adam(1e-3), state_bits=8).init(params)
     step = jax.jit(lambda p, o, g: (o.update(g, p), o), donate_argnums=(0, 1))

@@ -24,9 +24,10 @@ import optax
 import pytest
 
 import treeopt
-from treeopt._step import lowbit_state, statistics
-from treeopt._step.lowbit import Format, QuantizedLeaf, is_quantized, quantize
-from treeopt._tree.paths import flatten_paths
+from treeopt._lowbit import state as lowbit_state
+from treeopt._lowbit import statistics
+from treeopt._lowbit.codec import Format, QuantizedLeaf, is_quantized, quantize
+from treeopt._state.plain import flatten_paths
 from treeopt.errors import StateDictError, StateDictWarning
 
 from _helpers import x64
@@ -514,6 +515,27 @@ def test_a_format_of_a_newer_version_is_left_to_the_report():
     assert "opt_state/0/mu/w/format" in {p for p, _, _ in report.mismatched}
     assert "opt_state/0/mu/w" not in {p for p, _, _ in report.converted}
     np.testing.assert_array_equal(loaded.opt_state[0].mu["w"].codes, target.opt_state[0].mu["w"].codes)
+def test_the_low_bit_reader_runs_only_where_a_side_holds_codes(monkeypatch):
+    from treeopt._state import state_dict as state_dicts
+
+    calls = []
+    converter = state_dicts.converted_source
+
+    def counted(*args, **kwargs):
+        calls.append(None)
+        return converter(*args, **kwargs)
+
+    monkeypatch.setattr(state_dicts, "converted_source", counted)
+    params = {"w": jnp.zeros((64, 64))}
+    full = treeopt.Optimizer(optax.adam(1e-2)).init(params)
+    low = treeopt.Optimizer(optax.adam(1e-2), state_bits=8).init(params)
+    full.load_state_dict(full.state_dict())
+    treeopt.serialization.check_state_dict(full, full.state_dict())
+    treeopt.serialization.warm_start(full, full.state_dict())
+    assert calls == []  # full precision on both sides: neither the converter nor the v1 reader runs
+    low.load_state_dict(low.state_dict())  # the target holds codes
+    treeopt.serialization.warm_start(full, low.state_dict())  # the source does
+    assert len(calls) == 2
 
 
 # -- bytes, dtypes, globs ---------------------------------------------------------------------------

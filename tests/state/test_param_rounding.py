@@ -148,6 +148,74 @@ def test_new_random_bits_every_step_and_the_key_in_the_state():
     assert "rounding_key" in opt.state_dict()
 
 
+def _rounded(seed, params):
+    opt = treeopt.Optimizer(optax.sgd(2.0**-9), param_rounding="stochastic", rounding_seed=seed).init(params)
+    return opt, opt.update({"w": jnp.full((256,), -1.0, BF16)}, params)
+
+
+def test_the_rounding_seed_decides_the_draws_and_the_same_seed_draws_the_same():
+    params = {"w": jnp.full((256,), 1.0, BF16)}  # a quarter of a bfloat16 step: each element rounds at random
+    default_opt, default = _rounded(None, params)
+    (seed_7, seven), (_, seven_again), (_, eight) = _rounded(7, params), _rounded(7, params), _rounded(8, params)
+    assert_trees_equal(seven, seven_again)
+    assert not np.array_equal(np.asarray(seven["w"]), np.asarray(eight["w"]))
+    assert_trees_equal(default, _rounded(0, params)[1])  # the documented default: jax.random.key(0)
+    fresh = treeopt.Optimizer(optax.sgd(0.1), param_rounding="stochastic", rounding_seed=7).init(params)
+    assert np.array_equal(jax.random.key_data(fresh.rounding["key"]), jax.random.key_data(jax.random.key(7)))
+    assert seed_7.precision.seed == 7 and default_opt.precision.seed == 0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"param_rounding": "kahan", "rounding_seed": 1}, ValueError, r"rounding_seed=1 seeds the key of "),
+        ({"rounding_seed": 1}, ValueError, r"param_rounding is None: nothing would draw from it"),
+        ({"param_rounding": "stochastic", "rounding_seed": 1.5}, TypeError, r"rounding_seed must be an integer"),
+        ({"param_rounding": "stochastic", "rounding_seed": True}, TypeError, r"rounding_seed must be an integer"),
+        ({"param_rounding": "stochastic", "rounding_seed": -1}, ValueError, r"rounding_seed must be an integer in"),
+        ({"param_rounding": "stochastic", "rounding_seed": 2**32}, ValueError, r"\[0, 2\*\*32\), got 4294967296"),
+    ],
+)
+def test_a_rounding_seed_nothing_draws_from_or_that_is_no_seed_is_refused(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        treeopt.Optimizer(optax.sgd(0.1), **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "state_type", "views"),
+    [
+        ({}, "AsIsState", {"master": [], "rounding": []}),
+        ({"master_dtype": F32}, "MasterWeightsState", {"master": ["w"], "rounding": []}),
+        ({"param_rounding": "kahan"}, "KahanState", {"master": [], "rounding": ["compensation"]}),
+        ({"param_rounding": "stochastic"}, "StochasticState", {"master": [], "rounding": ["key"]}),
+    ],
+)
+def test_the_precision_is_chosen_once_as_static_data_with_one_state_child_of_its_own_type(kwargs, state_type, views):
+    params, tx = {"w": jnp.ones((4,), BF16)}, optax.adam(1e-3)
+    opt = treeopt.Optimizer(tx, **kwargs).init(params)
+    assert type(opt.precision_state).__name__ == state_type
+    assert {"master": sorted(opt.master), "rounding": sorted(opt.rounding)} == views
+    # The precision is static data: part of the treedef (a jit cache key), none of the leaves.
+    leaves, treedef = jax.tree.flatten(opt)
+    rebuilt = jax.tree.unflatten(treedef, leaves)
+    assert rebuilt.precision == opt.precision and rebuilt.param_rounding == kwargs.get("param_rounding")
+    assert all(isinstance(leaf, jax.Array) for leaf in leaves)
+    paths = [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(opt)[0]]
+    assert paths[0] == ".step" and all(p.startswith((".step", ".opt_state", ".precision_state")) for p in paths)
+    for other in ({}, {"master_dtype": F32}, {"param_rounding": "kahan"}, {"param_rounding": "stochastic"}):
+        same = jax.tree.structure(treeopt.Optimizer(tx, **other).init(params)) == treedef
+        assert same == (other == kwargs), other
+
+
+def test_the_views_are_read_only_and_an_uninitialized_optimizer_has_none():
+    opt = treeopt.Optimizer(optax.adam(1e-3), param_rounding="kahan")
+    assert opt.master is None and opt.rounding is None and jax.tree.leaves(opt) == []
+    opt = opt.init({"w": jnp.ones((4,), BF16)})
+    for name in ("master", "rounding", "master_dtype", "param_rounding", "precision", "precision_state"):
+        with pytest.raises(AttributeError, match="managed by the optimizer"):
+            setattr(opt, name, None)
+
+
 def test_each_narrow_param_draws_its_own_random_bits():
     params = {"a": jnp.full((256,), 1.0, BF16), "b": jnp.full((256,), 1.0, BF16)}
     opt = treeopt.Optimizer(optax.sgd(2.0**-9), param_rounding="stochastic").init(params)

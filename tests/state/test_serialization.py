@@ -39,7 +39,7 @@ from jax.sharding import PartitionSpec as P
 
 import treeopt
 from treeopt import serialization as ser
-from treeopt._tree.paths import flatten_paths as flatten
+from treeopt._state.plain import flatten_paths as flatten
 
 # -- round trips, every transformation --------------------------------------------------
 

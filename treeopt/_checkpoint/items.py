@@ -24,11 +24,12 @@ from treeopt._checkpoint.siblings import Siblings
 from treeopt._state import state_dict as _state_dict
 from treeopt._state.checksum import checksum
 from treeopt._state.engine import Messages, Target, load, read_verified
+from treeopt._state.keys import key_data
+from treeopt._state.plain import flatten_paths
 from treeopt._state.policies import EXACT
 from treeopt._state.state_dict import StateParts
-from treeopt._tree.paths import Path, flatten_paths, leaf_names
+from treeopt._tree.paths import Path, leaf_names
 from treeopt.errors import CheckpointError
-from treeopt.keys import key_data
 
 OPTIMIZER_ITEM = "optimizer"
 PARAMS_ITEM = "params"

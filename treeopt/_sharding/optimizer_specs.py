@@ -19,11 +19,6 @@ from treeopt._sharding.zero import zero_plan
 from treeopt._tree.layout import ParamLayout
 
 
-def param_owned(parts: Any) -> dict[str, Any]:
-    """The parts of a state whose leaves may belong to parameters, by name: optax state, masters, rounding."""
-    return {"opt_state": parts.opt_state, "master": parts.master, "rounding": parts.rounding}
-
-
 def state_specs(
     parts: Mapping[str, Any],
     layout: ParamLayout,
@@ -34,8 +29,9 @@ def state_specs(
 ) -> dict[str, Any]:
     """``{part: tree shaped like it with a PartitionSpec at every leaf}`` for the parts of a state.
 
-    ``parts`` are the optax state over the flat ``{name: param}`` dict and the
-    master copies (``{"opt_state": ..., "master": ...}``), concrete or abstract
+    ``parts`` are the trees of a state whose leaves may belong to parameters,
+    by name: the optax state over the flat ``{name: param}`` dict, the master
+    copies, the rounding state (``{"opt_state": ..., "master": ...}``), concrete or abstract
     (``jax.eval_shape``); ``param_specs`` is ``{name: spec}`` for every
     trainable param. With ``shard_state_over`` (mesh axis names, and the
     ``mesh`` whose sizes they have) the param-owned leaves are also split over
@@ -57,7 +53,7 @@ def state_specs(
 
 
 def optimizer_state_specs(
-    parts: Any,
+    parts: Mapping[str, Any],
     layout: ParamLayout,
     param_specs: Any,
     *,
@@ -66,14 +62,14 @@ def optimizer_state_specs(
 ) -> dict[str, Any]:
     """The specs of a state's parts from a params-shaped tree of specs, checked; what ``partition_specs`` uses.
 
-    ``parts`` are the state's parts (``step``, ``opt_state``, ``master``);
+    ``parts`` are the trees of the state by name (see :func:`state_specs`);
     ``param_specs`` is any params-shaped tree (or the flat dict) of
     ``PartitionSpec``/``None``, checked by :func:`flat_param_specs`; with a
     ``mesh`` each spec's axes are also checked against it (the error names the
     parameter). ``parts`` and ``shard_state_over``: see :func:`state_specs`.
     """
     flat = checked_param_specs(param_specs, layout, mesh)
-    return state_specs(param_owned(parts), layout, flat, shard_state_over=shard_state_over, mesh=mesh)
+    return state_specs(parts, layout, flat, shard_state_over=shard_state_over, mesh=mesh)
 
 
 def checked_param_specs(param_specs: Any, layout: ParamLayout, mesh: Any) -> dict[str, PartitionSpec]:

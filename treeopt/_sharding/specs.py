@@ -29,10 +29,11 @@ these specs, is :mod:`treeopt._sharding.zero`.
 
 from __future__ import annotations
 
+import abc
 import functools
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
-from typing import Any, NamedTuple, Protocol, runtime_checkable
+from typing import Any, NamedTuple
 
 import jax
 import optax
@@ -274,19 +275,27 @@ def per_dimension_axes(
     return axes if len(set(axes.values())) == len(param_shape) else None
 
 
-@runtime_checkable
-class SpecifiesItself(Protocol):
+class SpecifiesItself(abc.ABC):
     """A state leaf held as a small pytree of arrays that answers for its own specs (low-bit codes and scales).
 
     As flax's ``AxisMetadata`` does for boxed params: the sharding wing asks
     it, rather than reading its parts by name or guessing its layout from
-    their shapes.
+    their shapes. A leaf takes part by subclassing it, as a boxed param
+    subclasses ``AxisMetadata``: an object that merely has methods of these
+    names is an ordinary leaf.
+
+    Example:
+        >>> is_self_specified(type("Lookalike", (), {"partition_specs": None, "zero_axes": None})())
+        False
     """
 
+    __slots__ = ()
+
+    @abc.abstractmethod
     def partition_specs(self, param_spec: PartitionSpec, axis_sizes: Mapping[str, int] | None = None) -> Any:
         """This leaf with a ``PartitionSpec`` at each of its arrays, from its parameter's spec."""
-        ...
 
+    @abc.abstractmethod
     def zero_axes(
         self, param_spec: PartitionSpec, shards: int, axis_sizes: Mapping[str, int] | None = None
     ) -> list[int]:
@@ -295,11 +304,20 @@ class SpecifiesItself(Protocol):
         With ``axis_sizes`` an axis the parameter's spec splits may be offered
         too, for the ZeRO axes combined with its own.
         """
-        ...
+
+    @property
+    @abc.abstractmethod
+    def shape(self) -> tuple[int, ...]:
+        """The shape of the array the leaf stands for (what a step reads it as)."""
+
+    @property
+    @abc.abstractmethod
+    def dtype(self) -> Any:
+        """The dtype of the array the leaf stands for."""
 
 
 def is_self_specified(x: Any) -> bool:
-    """Whether ``x`` answers for its own partition specs (:class:`SpecifiesItself`)."""
+    """Whether ``x`` answers for its own partition specs (a :class:`SpecifiesItself`)."""
     return isinstance(x, SpecifiesItself)
 
 

@@ -18,8 +18,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from treeopt._tree.paths import Path, flatten_paths
-from treeopt.keys import is_key
+from treeopt._state.keys import is_key
+from treeopt._state.plain import flatten_paths
+from treeopt._tree.paths import Path
 
 CHECKSUM_KEY = "checksum"
 """Top-level key of the checksum that ``flax.serialization.to_state_dict(opt)`` adds."""

@@ -33,8 +33,9 @@ import jax
 import numpy as np
 
 from treeopt._state.checksum import CHECKSUM_KEY, matches
+from treeopt._state.plain import flatten_paths
 from treeopt._state.policies import EXACT, Policy, Slot, slot_of, widens
-from treeopt._tree.paths import Path, flatten_paths, leaf_names, path_str
+from treeopt._tree.paths import Path, leaf_names, path_str
 from treeopt.errors import LoadReport, StateDictError, StateDictWarning, describe, dtype_name
 
 # -- the target: its slots -------------------------------------------------------------------
@@ -460,7 +461,7 @@ def load(
     pairs, report = match(target, source.entries(), policy, roles)
     _judge(report, strict, messages)
     placements = {pairs[path]: target.slots[path].sharding for path in pairs}
-    placements.update({p: None for p in target.fixed if p in source.entries()})
+    placements |= {p: None for p in target.fixed if p in source.entries()}
     values = _verified(source, placements, policy)[1]
     late = _fixed_read_late(target, source.entries(), values, pairs)
     if late:  # a checkpoint's metadata could not tell: the values read do

@@ -21,8 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from treeopt._state.keys import is_key, wrap_key_like
 from treeopt.errors import describe, dtype_name
-from treeopt.keys import is_key, wrap_key_like
 
 __all__ = ["BY_KIND", "EXACT", "EXACT_OR_WIDER", "Policy", "Slot", "slot_of", "widens"]
 

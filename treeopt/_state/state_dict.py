@@ -1,9 +1,9 @@
 """State dicts of an optimizer's state parts: nested plain dicts of arrays, keyed by parameter name.
 
 ``state_dict(parts)`` of the :class:`StateParts` (step, optax state, the
-params' precision's state) is ``{"step": ..., "opt_state": ...}``:
+params' precision and its state) is ``{"step": ..., "opt_state": ...}``:
 ``opt_state`` in the plain form of :mod:`treeopt._state.plain`, and the
-entries of the precision (:meth:`treeopt._step.precision.Precision.entries`):
+entries the precision writes (:meth:`treeopt._step.precision.Precision.entries`):
 ``"master": {name: array}`` with master weights, ``"compensation"`` or
 ``"rounding_key"`` with ``param_rounding``. The params-shaped parts of an optax
 state are already dicts keyed by parameter name (the optimizer runs optax on
@@ -21,18 +21,21 @@ that loses nothing (a bfloat16 run's moments into float32 state), and never
 raises for a mismatch.
 
 This module is handed the state's parts and returns parts: the optimizer
-rebuilds itself from them (``treeopt.optimizer.with_state_parts``).
+rebuilds itself from them (``treeopt._optimizer.parts.with_state_parts``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 from flax import traverse_util
 
+from treeopt._lowbit.codec import describe_entry, is_quantized
+from treeopt._lowbit.state import CODES, converted_source, has_quantized
+from treeopt._lowbit.statistics import statistic_signs
 from treeopt._state.checksum import CHECKSUM_KEY
 from treeopt._state.engine import (
     Messages,
@@ -43,16 +46,12 @@ from treeopt._state.engine import (
     match,
     read_verified,
 )
-from treeopt._state.plain import to_plain
+from treeopt._state.keys import key_data
+from treeopt._state.plain import flatten_paths, to_plain
 from treeopt._state.policies import EXACT, EXACT_OR_WIDER
-from treeopt._step.lowbit import describe_entry, is_quantized
-from treeopt._step.lowbit_state import converted_source
-from treeopt._step.precision import held_as
-from treeopt._step.statistics import statistic_signs
-from treeopt._step.step_rule import refuse_a_negative_step
-from treeopt._tree.paths import Path, flatten_paths, path_str
+from treeopt._state.step_rule import refuse_a_negative_step
+from treeopt._tree.paths import Path, path_str
 from treeopt.errors import LoadReport
-from treeopt.keys import key_data
 
 _LOAD = Messages(
     lead="The state dict does not match this optimizer (paths are "
@@ -64,26 +63,46 @@ _LOAD = Messages(
 )
 
 
-class StateParts(NamedTuple):
-    """The leaves of an optimizer's state: the step count, the optax state, the master copies and the rounding state.
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StateParts:
+    """An optimizer's state: the step count, the optax state and the state of the params' precision (leaves).
+
+    ``precision`` is static: how the params are held
+    (:class:`treeopt._step.precision.Precision`, ``None``: as they are),
+    which says what its state writes into a state dict and how the optimizer
+    shows it. The leaves come in the optimizer's own order, so an optimizer
+    is rebuilt from the leaves of its parts.
 
     Example:
         >>> import jax.numpy as jnp
-        >>> parts = StateParts(jnp.int32(3), {"w": jnp.zeros(2)}, {})
-        >>> sorted(state_dict(parts))
-        ['opt_state', 'step']
+        >>> parts = StateParts(jnp.int32(3), {"w": jnp.zeros(2)})
+        >>> sorted(state_dict(parts)), list(parts.by_part())
+        (['opt_state', 'step'], ['opt_state'])
     """
 
     step: Any
     opt_state: Any
-    master: Any
-    rounding: Any = None
+    precision_state: Any = None
+    precision: Any = dataclasses.field(default=None, metadata={"static": True})
+
+    def entries(self) -> dict[str, Any]:
+        """The precision's entries of the state dict (``"master"``, ``"compensation"``, ``"rounding_key"``)."""
+        return {} if self.precision is None else self.precision.entries(self.precision_state)
+
+    def by_part(self) -> dict[str, Any]:
+        """The trees whose leaves may belong to parameters, by the names ``zero_report`` gives them.
+
+        ``opt_state``, then the precision's views (``master``, ``rounding``):
+        together, the state's leaves after the step, in the state's order.
+        """
+        views = {} if self.precision is None else self.precision.views(self.precision_state)
+        return {"opt_state": self.opt_state, **views}
 
 
 def plain_state(parts: StateParts) -> dict[str, Any]:
     """The state dict of ``parts`` built from its leaves as they are (also for a tree of indices)."""
-    precision, held = held_as(parts.master, parts.rounding)
-    return {"step": key_data(parts.step), "opt_state": to_plain(parts.opt_state), **precision.entries(held)}
+    return {"step": key_data(parts.step), "opt_state": to_plain(parts.opt_state), **to_plain(parts.entries())}
 
 
 def state_dict(parts: StateParts) -> dict[str, Any]:
@@ -151,12 +170,15 @@ def _in_target_precision(
     """
     if not isinstance(source, Mapping):
         return source, ()
+    flat_source = flatten_paths(source)
+    if not (has_quantized(parts.opt_state) or any(path[-1] == CODES for path in flat_source)):
+        return source, ()  # neither side holds codes: nothing to convert, and no v1 codes to read
     leaves, treedef = jax.tree.flatten(parts, is_leaf=is_quantized)
     indexed = flatten_paths(plain_state(jax.tree.unflatten(treedef, list(range(len(leaves))))))
     units = {path: leaves[i] for path, i in indexed.items() if isinstance(i, int)}
     signs = statistic_signs(parts, is_leaf=is_quantized)
     signed = {path: signs[i] for path, i in indexed.items() if isinstance(i, int)}
-    flat, converted = converted_source(units, source, legacy_only=legacy_only, signed=signed)
+    flat, converted = converted_source(units, flat_source, legacy_only=legacy_only, signed=signed)
     if not converted:
         return source, ()
     read_verified(StateDictSource(source, "warm_start"), {})

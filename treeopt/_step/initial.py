@@ -10,8 +10,8 @@ Example:
     >>> from treeopt._step.precision import Kahan
     >>> from treeopt.layout import ParamLayout
     >>> params = {"w": jnp.ones(2, jnp.bfloat16)}
-    >>> flat, held = init_inputs(ParamLayout.of(params), params, False, Kahan())
-    >>> flat["w"].dtype, held["compensation"]["w"].dtype
+    >>> flat, state = init_inputs(ParamLayout.of(params), params, False, Kahan())
+    >>> flat["w"].dtype, state.compensation["w"].dtype
     (dtype('float32'), dtype(bfloat16))
 """
 
@@ -21,7 +21,7 @@ from typing import Any
 
 import optax
 
-from treeopt._step.precision import Precision
+from treeopt._step.precision import AsIsState, Precision
 from treeopt._tree.layout import ParamLayout
 
 __all__ = ["as_transformation", "init_inputs", "transformation_name"]
@@ -36,7 +36,7 @@ def init_inputs(layout: ParamLayout, params: Any, lookahead: bool, precision: Pr
                 "build the optimizer without it."
             )
         flat = optax.LookaheadParams(layout.split_params(params.fast)[0], layout.split_params(params.slow)[0])
-        return flat, {}
+        return flat, AsIsState()
     return precision.init(layout.split_params(params)[0])
 
 

@@ -1,35 +1,46 @@
 """One precision layer: how a trainable param is held, and how it takes a float32 update.
 
-Four answers to that one question, each a :class:`Precision`, chosen by the
-optimizer's options (:func:`precision_of`):
+Four answers to that one question, each a :class:`Precision`: static data
+of the optimizer, chosen once at construction from its options
+(:func:`treeopt._step.options.precision_of`), with a state type of its own, as optax gives
+``apply_if_finite`` its ``ApplyIfFiniteState``:
 
 - :class:`AsIs` (no option): every param as it is; ``tx`` runs in its dtype.
+  State: :class:`AsIsState`, empty.
 - :class:`MasterWeights` (``master_dtype=jnp.float32``): a copy in the wider
   dtype of each narrower param, which ``tx`` steps instead; the param is its
   copy cast down. A param changed behind the optimizer wins (:func:`follow`).
+  State: :class:`MasterWeightsState`, the copies.
 - :class:`Kahan` (``param_rounding="kahan"``): ``tx`` on each narrow param
   cast to float32; the sum written back into the param's dtype with a
-  compensation buffer that keeps what the rounding lost.
-- :class:`Stochastic` (``param_rounding="stochastic"``): the same, written back
-  by unbiased stochastic rounding, with one PRNG key for the whole model.
+  compensation buffer that keeps what the rounding lost. State:
+  :class:`KahanState`, the buffers.
+- :class:`Stochastic` (``param_rounding="stochastic"``, ``rounding_seed=``):
+  the same, written back by unbiased stochastic rounding, with one PRNG key
+  for the whole model. State: :class:`StochasticState`, the key.
 
 Which params a precision holds otherwise is one predicate, :func:`narrower`.
-A precision says what ``tx.init`` sees (:meth:`Precision.init`), the values
-``tx`` steps (:meth:`Precision.widened`), how the new values are written back
-(:meth:`Precision.written`) and its state-dict entries
-(:meth:`Precision.entries`); :func:`precision_step` is the one step they all
-take. Its state is a leaf of the optimizer, in one part
-(:attr:`Precision.part`): ``master`` for master weights, ``rounding`` for the
-roundings. Specs and ZeRO-1 placement need nothing of a precision: a leaf
-keyed by a parameter's name and of its shape gets that parameter's spec, and
-the data axis if it is floating (``treeopt._sharding``).
+The options are checked, and the precision they choose made, in
+:mod:`treeopt._step.options`. A precision says what ``tx.init`` sees and makes its state
+(:meth:`Precision.init`), the values ``tx`` steps (:meth:`Precision.widened`),
+how the new values are written back (:meth:`Precision.written`), its
+state-dict entries (:meth:`Precision.entries`) and how the optimizer shows
+its state (:meth:`Precision.views`: ``opt.master`` and ``opt.rounding``);
+:func:`precision_step` is the one step they all take. Nothing reads back
+from a state which precision it belongs to: the optimizer hands its
+precision and that precision's state to whoever needs them, so another way
+to hold params is one more class here (and, for a new ``param_rounding``
+choice, one more entry of :data:`ROUNDINGS`). Specs and ZeRO-1 placement need
+nothing of a precision: a leaf keyed by a parameter's name and of its shape
+gets that parameter's spec, and the data axis if it is floating
+(``treeopt._sharding``).
 
 Example:
     >>> import jax.numpy as jnp
-    >>> precision = precision_of(jnp.dtype("float32"), None)
-    >>> flat, held = precision.init({"w": jnp.ones(2, jnp.bfloat16), "b": jnp.ones(2)})
-    >>> type(precision).__name__, {name: m.dtype.name for name, m in held.items()}
-    ('MasterWeights', {'w': 'float32'})
+    >>> precision = MasterWeights(jnp.dtype("float32"))
+    >>> flat, state = precision.init({"w": jnp.ones(2, jnp.bfloat16), "b": jnp.ones(2)})
+    >>> type(precision).__name__, type(state).__name__, {name: m.dtype.name for name, m in state.master.items()}
+    ('MasterWeights', 'MasterWeightsState', {'w': 'float32'})
 """
 
 from __future__ import annotations
@@ -47,26 +58,27 @@ import optax
 from treeopt._sharding.explicit import resharded_like
 from treeopt._sharding.ownership import owned_update
 from treeopt._step.rounding import stochastic_round
-from treeopt._step.step_io import FlatStep, StepInputs
-from treeopt._step.step_rule import next_step
-from treeopt.keys import key_data
+from treeopt._step.step_io import FlatStep, StepInputs, next_step
 
 __all__ = [
     "AS_IS",
+    "ROUNDINGS",
     "AsIs",
+    "AsIsState",
     "Kahan",
+    "KahanState",
     "MasterWeights",
+    "MasterWeightsState",
     "Precision",
     "Stochastic",
-    "checked_master_dtype",
-    "checked_param_rounding",
-    "held_as",
+    "StochasticState",
     "narrower",
-    "precision_of",
     "precision_step",
 ]
 
 F32 = jnp.dtype(jnp.float32)
+VIEWS = ("master", "rounding")
+"""The optimizer's read-only views of a precision's state (``opt.master``, ``opt.rounding``), in this order."""
 
 
 def narrower(dtype: Any, than: Any = F32) -> bool:
@@ -83,20 +95,72 @@ def narrower(dtype: Any, than: Any = F32) -> bool:
     return bool(jnp.finfo(dtype).bits < jnp.finfo(than).bits)
 
 
+# -- the state of each way: one type per precision ------------------------------------------------
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class AsIsState:
+    """The state of :class:`AsIs`: none (a pytree without leaves)."""
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class MasterWeightsState:
+    """The state of :class:`MasterWeights`: ``master``, the copies ``{name: array}``.
+
+    ``param_dtypes`` (static) are the dtypes of the params they are copies
+    of, ``((name, dtype name), ...)``: the dtype each new param is written
+    in when a step is not handed the params.
+    """
+
+    master: dict[str, Any]
+    param_dtypes: tuple[tuple[str, str], ...] = dataclasses.field(default=(), metadata={"static": True})
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KahanState:
+    """The state of :class:`Kahan`: ``compensation``, a buffer ``{name: array}`` per narrow param."""
+
+    compensation: dict[str, Any]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StochasticState:
+    """The state of :class:`Stochastic`: ``key``, one typed PRNG key, split every step."""
+
+    key: Any
+
+
+# -- the ways ------------------------------------------------------------------------------------
+
+
 @dataclasses.dataclass(frozen=True)
 class Precision:
     """How the trainable params are held and take a float32 update (the base of the four ways).
 
     A precision holds its *narrow* params (:meth:`narrow`) otherwise than as
-    they are, and keeps a state for them (``{}`` when it needs none) in the
-    optimizer's part :attr:`part`. Instances are hashable and static under
-    ``jax.jit``: they key the compiled step.
+    they are, and keeps its own state for them. Instances are hashable and
+    static under ``jax.jit``: the optimizer's static data, and a key of the
+    compiled step.
     """
 
     option: ClassVar[str | None] = None
-    """The constructor option that chooses it, which its errors name."""
-    part: ClassVar[str | None] = None
-    """The optimizer's part that holds its state: ``"master"``, ``"rounding"``, or ``None`` (as is)."""
+    """The constructor option that chooses it, which its errors name (``None``: as is)."""
+    view: ClassVar[str | None] = None
+    """Which of the optimizer's :data:`VIEWS` shows its state (``None``: neither)."""
+
+    @property
+    def master_dtype(self) -> np.dtype | None:
+        """The ``master_dtype`` option that chose it (``None``: not master weights)."""
+        return None
+
+    @property
+    def param_rounding(self) -> str | None:
+        """The ``param_rounding`` option that chose it (``None``: not a rounding)."""
+        return None
 
     def narrow(self, dtype: Any) -> bool:
         """Whether a trainable param of ``dtype`` is held otherwise."""
@@ -104,29 +168,43 @@ class Precision:
 
     def init(self, flat: Mapping[str, Any]) -> tuple[dict[str, Any], Any]:
         """``(what tx.init sees, this precision's state)`` for fresh flat params."""
-        return dict(flat), {}
+        return dict(flat), AsIsState()
 
-    def widened(self, held: Any, params: Mapping[str, Any] | None) -> dict[str, Any]:
+    def widened(self, state: Any, params: Mapping[str, Any] | None) -> dict[str, Any]:
         """``{name: value}`` that ``tx`` steps for each narrow param, from the state and the params given."""
         return {}
 
-    def narrow_dtypes(self, wide: Mapping[str, Any], params: Mapping[str, Any] | None) -> dict[str, Any]:
+    def narrow_dtypes(
+        self, state: Any, wide: Mapping[str, Any], params: Mapping[str, Any] | None
+    ) -> dict[str, Any]:
         """``{name: dtype}`` of the narrow params: the dtypes their new values are written in."""
         return {name: params[name].dtype for name in wide} if params is not None else {}
 
     def written(
-        self, wide: Mapping[str, Any], updates: Mapping[str, Any], dtypes: Mapping[str, Any], held: Any
+        self, wide: Mapping[str, Any], updates: Mapping[str, Any], dtypes: Mapping[str, Any], state: Any
     ) -> tuple[dict[str, Any], Any]:
         """``({name: new param in its dtype}, new state)``: the wide values plus their updates, written back."""
-        return {}, held
+        return {}, state
 
-    def entries(self, held: Any) -> dict[str, Any]:
-        """This precision's entries of the optimizer's state dict, from its state."""
+    def entries(self, state: Any) -> dict[str, Any]:
+        """This precision's entries of the optimizer's state dict, from its state (before their plain form)."""
         return {}
 
-    def placed(self, held: Any) -> dict[str, Any]:
-        """``{part: state}``: where the optimizer keeps this precision's state (nothing as is)."""
-        return {self.part: held} if self.part is not None else {}
+    def shown(self, state: Any) -> Any:
+        """Its state as the optimizer's view :attr:`view` shows it."""
+        return {}
+
+    def views(self, state: Any) -> dict[str, Any]:
+        """``{"master": ..., "rounding": ...}``: the optimizer's read-only views of ``state``.
+
+        ``{}`` in each view that does not show it. Together they hold the
+        state's leaves in the state's own order, so a tree shaped like the
+        views (their specs) is a tree shaped like the state, leaf for leaf.
+        """
+        out: dict[str, Any] = {view: {} for view in VIEWS}
+        if self.view is not None:
+            out[self.view] = self.shown(state)
+        return out
 
     def refuse_nothing_narrow(self, flat: Mapping[str, Any]) -> None:
         """A ``ValueError`` naming the option when no floating param is narrow: it would do nothing."""
@@ -151,30 +229,33 @@ AS_IS = AsIs()
 class MasterWeights(Precision):
     """A copy in ``dtype`` of each trainable param narrower than it, which ``tx`` steps instead.
 
-    The new param is its new copy cast down. ``dtype`` is ``None`` for a step
-    handed the copies (their dtype is theirs); ``param_dtypes`` are the params'
-    dtypes ``((name, dtype name), ...)`` for a step not handed the params.
+    The new param is its new copy cast down.
 
     Example:
         >>> import jax.numpy as jnp
-        >>> flat, master = MasterWeights(jnp.dtype("float32")).init({"w": jnp.ones(2, jnp.bfloat16)})
-        >>> flat["w"].dtype, master["w"].dtype
-        (dtype('float32'), dtype('float32'))
+        >>> flat, state = MasterWeights(jnp.dtype("float32")).init({"w": jnp.ones(2, jnp.bfloat16)})
+        >>> flat["w"].dtype, state.master["w"].dtype, state.param_dtypes
+        (dtype('float32'), dtype('float32'), (('w', 'bfloat16'),))
     """
 
-    dtype: np.dtype | None = None
-    param_dtypes: tuple[tuple[str, str], ...] | None = None
+    dtype: np.dtype
 
     option: ClassVar[str | None] = "master_dtype"
-    part: ClassVar[str | None] = "master"
+    view: ClassVar[str | None] = "master"
+
+    @property
+    def master_dtype(self) -> np.dtype | None:
+        return self.dtype
 
     def narrow(self, dtype: Any) -> bool:
         return narrower(dtype, self.dtype)
 
     def init(self, flat: Mapping[str, Any]) -> tuple[dict[str, Any], Any]:
         self.refuse_nothing_narrow(flat)
-        master = {name: leaf.astype(self.dtype) for name, leaf in flat.items() if self.narrow(leaf.dtype)}
-        return {**flat, **master}, master  # tx.init sees the masters
+        narrow = {name: leaf for name, leaf in flat.items() if self.narrow(leaf.dtype)}
+        master = {name: leaf.astype(self.dtype) for name, leaf in narrow.items()}
+        dtypes = tuple((name, np.dtype(leaf.dtype).name) for name, leaf in narrow.items())
+        return {**flat, **master}, MasterWeightsState(master, dtypes)  # tx.init sees the masters
 
     def nothing_narrow(self, dtypes: str) -> str:
         name = np.dtype(self.dtype).name
@@ -184,22 +265,28 @@ class MasterWeights(Precision):
             "bfloat16 or float16 params), or none."
         )
 
-    def widened(self, held: Any, params: Mapping[str, Any] | None) -> dict[str, Any]:
-        return dict(held) if params is None else follow(held, params)
+    def widened(self, state: Any, params: Mapping[str, Any] | None) -> dict[str, Any]:
+        return dict(state.master) if params is None else follow(state.master, params)
 
-    def narrow_dtypes(self, wide: Mapping[str, Any], params: Mapping[str, Any] | None) -> dict[str, Any]:
+    def narrow_dtypes(
+        self, state: Any, wide: Mapping[str, Any], params: Mapping[str, Any] | None
+    ) -> dict[str, Any]:
         if params is None:
-            return {name: jnp.dtype(dtype) for name, dtype in self.param_dtypes or ()}
-        return super().narrow_dtypes(wide, params)
+            return {name: jnp.dtype(dtype) for name, dtype in state.param_dtypes}
+        return super().narrow_dtypes(state, wide, params)
 
     def written(
-        self, wide: Mapping[str, Any], updates: Mapping[str, Any], dtypes: Mapping[str, Any], held: Any
+        self, wide: Mapping[str, Any], updates: Mapping[str, Any], dtypes: Mapping[str, Any], state: Any
     ) -> tuple[dict[str, Any], Any]:
         new_master = optax.apply_updates(dict(wide), {name: updates[name] for name in wide})
-        return {name: m.astype(dtypes[name]) for name, m in new_master.items()}, new_master
+        new = {name: m.astype(dtypes[name]) for name, m in new_master.items()}
+        return new, dataclasses.replace(state, master=new_master)
 
-    def entries(self, held: Any) -> dict[str, Any]:
-        return {"master": dict(held)} if held else {}
+    def entries(self, state: Any) -> dict[str, Any]:
+        return {"master": dict(state.master)}
+
+    def shown(self, state: Any) -> Any:
+        return dict(state.master)
 
 
 def follow(master: Mapping[str, Any], params: Mapping[str, Any]) -> dict[str, Any]:
@@ -243,11 +330,18 @@ def follow(master: Mapping[str, Any], params: Mapping[str, Any]) -> dict[str, An
 
 @dataclasses.dataclass(frozen=True)
 class _Rounded(Precision):
-    """Narrow params without a copy: ``tx`` steps them cast to float32, the sum is rounded back."""
+    """Narrow params without a copy: ``tx`` steps them cast to float32, the sum is rounded back.
+
+    The view ``opt.rounding`` shows its state's fields by name.
+    """
 
     option: ClassVar[str | None] = "param_rounding"
-    part: ClassVar[str | None] = "rounding"
+    view: ClassVar[str | None] = "rounding"
     choice: ClassVar[str] = ""
+
+    @property
+    def param_rounding(self) -> str | None:
+        return self.choice
 
     def narrow(self, dtype: Any) -> bool:
         return narrower(dtype)
@@ -257,7 +351,7 @@ class _Rounded(Precision):
         seen = {name: leaf.astype(F32) if self.narrow(leaf.dtype) else leaf for name, leaf in flat.items()}
         return seen, self.fresh(flat)
 
-    def fresh(self, flat: Mapping[str, Any]) -> dict[str, Any]:
+    def fresh(self, flat: Mapping[str, Any]) -> Any:
         """The state of fresh params."""
         raise NotImplementedError
 
@@ -268,13 +362,16 @@ class _Rounded(Precision):
             "param_rounding=None for float32 params, or train them in bfloat16."
         )
 
-    def widened(self, held: Any, params: Mapping[str, Any] | None) -> dict[str, Any]:
+    def widened(self, state: Any, params: Mapping[str, Any] | None) -> dict[str, Any]:
         if params is None:
             raise ValueError(
                 "param_rounding needs the current params to round into: call "
                 "opt.update(grads, params, apply_updates=False)."
             )
         return {name: p.astype(F32) for name, p in params.items() if self.narrow(p.dtype)}
+
+    def shown(self, state: Any) -> Any:
+        return {field.name: getattr(state, field.name) for field in dataclasses.fields(state)}
 
 
 def _compensation_dtype(dtype: Any) -> Any:
@@ -302,177 +399,75 @@ class Kahan(_Rounded):
 
     Example:
         >>> import jax.numpy as jnp
-        >>> _, held = Kahan().init({"w": jnp.ones(2, jnp.bfloat16), "b": jnp.ones(2)})
-        >>> {name: c.dtype.name for name, c in held["compensation"].items()}
+        >>> _, state = Kahan().init({"w": jnp.ones(2, jnp.bfloat16), "b": jnp.ones(2)})
+        >>> {name: c.dtype.name for name, c in state.compensation.items()}
         {'w': 'bfloat16'}
     """
 
     choice: ClassVar[str] = "kahan"
 
-    def fresh(self, flat: Mapping[str, Any]) -> dict[str, Any]:
-        return {
-            "compensation": {
+    def fresh(self, flat: Mapping[str, Any]) -> Any:
+        return KahanState(
+            {
                 k: jnp.zeros_like(v, dtype=_compensation_dtype(v.dtype))
                 for k, v in flat.items()
                 if self.narrow(v.dtype)
             }
-        }
+        )
 
     def written(
-        self, wide: Mapping[str, Any], updates: Mapping[str, Any], dtypes: Mapping[str, Any], held: Any
+        self, wide: Mapping[str, Any], updates: Mapping[str, Any], dtypes: Mapping[str, Any], state: Any
     ) -> tuple[dict[str, Any], Any]:
-        compensation, new = dict(held["compensation"]), {}
+        compensation, new = dict(state.compensation), {}
         for k, w in wide.items():
             total = updates[k] + compensation[k].astype(F32)  # what this step adds, and what the last one lost
             new[k] = (w + total).astype(dtypes[k])
             compensation[k] = (total - (new[k].astype(F32) - w)).astype(compensation[k].dtype)
-        return new, {"compensation": compensation}
+        return new, KahanState(compensation)
 
-    def entries(self, held: Any) -> dict[str, Any]:
-        return {"compensation": dict(held["compensation"])}
+    def entries(self, state: Any) -> dict[str, Any]:
+        return {"compensation": dict(state.compensation)}
 
 
 @dataclasses.dataclass(frozen=True)
 class Stochastic(_Rounded):
     """Unbiased stochastic rounding: each new value rounds up or down at random, by its nearness.
 
-    One PRNG key in the state, split every step, makes the draws deterministic
-    given the state (+0 bytes per parameter).
+    One PRNG key in the state, ``jax.random.key(seed)`` at ``init`` and split
+    every step, makes the draws deterministic given the state (+0 bytes per
+    parameter): a resumed run draws what the uninterrupted one would have.
 
     Example:
-        >>> import jax.numpy as jnp
-        >>> _, held = Stochastic().init({"w": jnp.ones(2, jnp.bfloat16)})
-        >>> sorted(held), sorted(Stochastic().entries(held))
-        (['key'], ['rounding_key'])
+        >>> import jax, jax.numpy as jnp
+        >>> _, state = Stochastic(seed=7).init({"w": jnp.ones(2, jnp.bfloat16)})
+        >>> bool((jax.random.key_data(state.key) == jax.random.key_data(jax.random.key(7))).all())
+        True
+        >>> sorted(Stochastic().entries(state))
+        ['rounding_key']
     """
 
     seed: int = 0
     choice: ClassVar[str] = "stochastic"
 
-    def fresh(self, flat: Mapping[str, Any]) -> dict[str, Any]:
-        return {"key": jax.random.key(self.seed)}
+    def fresh(self, flat: Mapping[str, Any]) -> Any:
+        return StochasticState(jax.random.key(self.seed))
 
     def written(
-        self, wide: Mapping[str, Any], updates: Mapping[str, Any], dtypes: Mapping[str, Any], held: Any
+        self, wide: Mapping[str, Any], updates: Mapping[str, Any], dtypes: Mapping[str, Any], state: Any
     ) -> tuple[dict[str, Any], Any]:
-        key, draw = jax.random.split(held["key"])
+        key, draw = jax.random.split(state.key)
         keys = jax.random.split(draw, max(len(wide), 1))
         new = {k: stochastic_round(w + updates[k], dtypes[k], keys[i]) for i, (k, w) in enumerate(wide.items())}
-        return new, {"key": key}
+        return new, StochasticState(key)
 
-    def entries(self, held: Any) -> dict[str, Any]:
-        return {"rounding_key": key_data(held["key"])}
+    def entries(self, state: Any) -> dict[str, Any]:
+        return {"rounding_key": state.key}  # written as its key data, as every typed key in a state dict
 
 
 ROUNDINGS: dict[str, type[_Rounded]] = {"kahan": Kahan, "stochastic": Stochastic}
+"""The choices of ``param_rounding``, by name."""
 
-
-def checked_master_dtype(master_dtype: Any) -> np.dtype | None:
-    """``master_dtype`` as a floating NumPy dtype (``None`` stays ``None``), or an error saying why not.
-
-    Example:
-        >>> import jax.numpy as jnp
-        >>> checked_master_dtype(jnp.float32), checked_master_dtype("float32"), checked_master_dtype(None)
-        (dtype('float32'), dtype('float32'), None)
-        >>> checked_master_dtype(jnp.int32)
-        Traceback (most recent call last):
-        ...
-        TypeError: master_dtype must be a floating-point dtype such as jnp.float32, got int32.
-    """
-    if master_dtype is None:
-        return None
-    try:
-        dtype = jnp.dtype(master_dtype)
-    except TypeError:
-        raise TypeError(
-            f"master_dtype must be a floating-point dtype such as jnp.float32, got {master_dtype!r}."
-        ) from None
-    if not jnp.issubdtype(dtype, jnp.floating):
-        raise TypeError(f"master_dtype must be a floating-point dtype such as jnp.float32, got {dtype.name}.")
-    if jax.dtypes.canonicalize_dtype(dtype) != dtype:
-        raise ValueError(
-            f"master_dtype={dtype.name} needs 64-bit JAX: set jax.config.update('jax_enable_x64', True) "
-            "first, or use jnp.float32."
-        )
-    return dtype
-
-
-def checked_param_rounding(param_rounding: Any, master_dtype: Any) -> str | None:
-    """``param_rounding`` checked: ``None``, ``"kahan"`` or ``"stochastic"``, and never beside ``master_dtype``.
-
-    Example:
-        >>> checked_param_rounding("kahan", None)
-        'kahan'
-        >>> checked_param_rounding("nearest", None)
-        Traceback (most recent call last):
-        ...
-        ValueError: param_rounding must be None, 'kahan' or 'stochastic', got 'nearest'.
-    """
-    if not (param_rounding is None or (isinstance(param_rounding, str) and param_rounding in ROUNDINGS)):
-        raise ValueError(f"param_rounding must be None, 'kahan' or 'stochastic', got {param_rounding!r}.")
-    if param_rounding is not None and master_dtype is not None:
-        raise ValueError(
-            f"param_rounding={param_rounding!r} and master_dtype={np.dtype(master_dtype).name} are two ways "
-            "to train narrow params: master_dtype keeps a wider copy of each, param_rounding keeps none. "
-            "Pass one of them."
-        )
-    return param_rounding
-
-
-@functools.cache
-def precision_of(master_dtype: np.dtype | None, param_rounding: str | None) -> Precision:
-    """The precision that the optimizer's checked options choose.
-
-    Example:
-        >>> precision_of(None, "kahan"), precision_of(None, None)
-        (Kahan(), AsIs())
-    """
-    if master_dtype is not None:
-        return MasterWeights(master_dtype)
-    if param_rounding is not None:
-        return ROUNDINGS[param_rounding]()
-    return AS_IS
-
-
-def held_as(
-    master: Mapping[str, Any] | None,
-    rounding: Mapping[str, Any] | None,
-    param_dtypes: Mapping[str, Any] | None = None,
-) -> tuple[Precision, Any]:
-    """``(precision, state)`` of the optimizer's parts ``master`` and ``rounding``: the precision whose state they hold.
-
-    ``param_dtypes``: ``{name: dtype}`` of the params with a master, for a
-    step that is not handed the params.
-
-    Example:
-        >>> import jax, jax.numpy as jnp
-        >>> held_as({}, {"key": jax.random.key(0)})[0], held_as({}, {})
-        (Stochastic(seed=0), (AsIs(), {}))
-    """
-    if master:
-        dtypes = None if param_dtypes is None else tuple((k, jnp.dtype(d).name) for k, d in param_dtypes.items())
-        return MasterWeights(param_dtypes=dtypes), dict(master)
-    rounding = dict(rounding or {})
-    if "compensation" in rounding:
-        return Kahan(), rounding
-    if "key" in rounding:
-        return Stochastic(), rounding
-    return AS_IS, {}
-
-
-def param_dtypes_of(layout: Any, master: Mapping[str, Any]) -> dict[str, Any]:
-    """``{name: dtype}`` of the params that have a master, as ``init`` saw them (from the layout).
-
-    Example:
-        >>> import jax.numpy as jnp
-        >>> from treeopt.layout import ParamLayout
-        >>> layout = ParamLayout.of({"w": jnp.ones(2, jnp.bfloat16), "b": jnp.ones(2)})
-        >>> param_dtypes_of(layout, {"w": jnp.ones(2)})
-        {'w': dtype(bfloat16)}
-    """
-    return {
-        name: dtype for name, (_, dtype) in zip(layout.names, layout.avals, strict=True) if name in master
-    }
+# -- the one step --------------------------------------------------------------------------------
 
 
 def precision_step(inputs: StepInputs, extra: Mapping[str, Any]) -> FlatStep:
@@ -487,13 +482,13 @@ def precision_step(inputs: StepInputs, extra: Mapping[str, Any]) -> FlatStep:
     other params are stepped as they are, and :class:`AsIs` hands ``tx`` the
     trees as given (any structure).
     """
-    precision, params = inputs.precision or AS_IS, inputs.params
-    if precision.part is None:
+    precision, params, state = inputs.precision or AS_IS, inputs.params, inputs.precision_state
+    if precision.option is None:
         updates, new_state = owned_update(inputs.tx, inputs.grads, inputs.opt_state, params, extra)
         output = optax.apply_updates(params, updates) if inputs.apply_updates else updates
-        return FlatStep(next_step(inputs.step), new_state, output)
-    wide = precision.widened(inputs.held, params)
-    dtypes = precision.narrow_dtypes(wide, params)
+        return FlatStep(next_step(inputs.step), new_state, output, state)
+    wide = precision.widened(state, params)
+    dtypes = precision.narrow_dtypes(state, wide, params)
     grads = {k: g.astype(wide[k].dtype) if k in wide else g for k, g in inputs.grads.items()}
     seen: dict[str, Any] | None
     if params is not None:
@@ -501,7 +496,7 @@ def precision_step(inputs: StepInputs, extra: Mapping[str, Any]) -> FlatStep:
     else:  # tx reads the wide values, if every trained param has one
         seen = {k: wide[k] for k in inputs.grads} if set(inputs.grads) <= set(wide) else None
     updates, new_state = owned_update(inputs.tx, grads, inputs.opt_state, seen, extra)
-    new, held = precision.written(wide, updates, dtypes, inputs.held)
+    new, new_held = precision.written(wide, updates, dtypes, state)
     out = {}
     for k in inputs.grads:
         if k not in wide:
@@ -511,4 +506,4 @@ def precision_step(inputs: StepInputs, extra: Mapping[str, Any]) -> FlatStep:
         else:
             given = params[k] if params is not None else wide[k].astype(dtypes[k])
             out[k] = new[k].astype(wide[k].dtype) - given.astype(wide[k].dtype)
-    return FlatStep(next_step(inputs.step), new_state, out)._replace(**precision.placed(held))
+    return FlatStep(next_step(inputs.step), new_state, out, new_held)

@@ -4,7 +4,8 @@ The inputs travel together as one pytree: the arrays (step count, optax
 state, grads, params, the state of the params' precision, the array extra
 arguments) are its leaves, and what must be static under ``jax.jit`` (the
 transformation, the precision, ``apply_updates``, the non-array extra
-arguments) is its static data. So the eager step is one ``jax.jit`` of one
+arguments, whether low-bit state takes its block maxima from a twin
+evaluation) is its static data. So the eager step is one ``jax.jit`` of one
 argument, whose cache key is exactly the static part.
 
 Example:
@@ -25,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-__all__ = ["ARRAYS", "FlatStep", "StepInputs", "strong"]
+__all__ = ["ARRAYS", "FlatStep", "StepInputs", "next_step", "strong"]
 
 ARRAYS = (jax.Array, np.ndarray, np.generic)
 _DYNAMIC = (*ARRAYS, int, float, complex)
@@ -46,8 +47,25 @@ def strong(x: Any) -> Any:
     return jnp.asarray(x, dtype=x.dtype) if isinstance(x, jax.Array) else x
 
 
+def next_step(step: Any) -> jax.Array:
+    """``step + 1``, saturating at the largest value of its dtype (2**31 - 1 for int32) instead of wrapping.
+
+    As optax's own counts do (``optax.safe_increment``): a step count that
+    wrapped to a negative number would break the step rule (a checkpoint step
+    is non-negative), and a schedule would restart from its first value.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> int(next_step(jnp.int32(4))), int(next_step(jnp.int32(2**31 - 1)))
+        (5, 2147483647)
+    """
+    count = jnp.asarray(step)
+    # As optax.safe_increment, but a weakly typed count stays weak: a jitted step then traces once.
+    return jnp.where(count < jnp.iinfo(count.dtype).max, count + 1, count)
+
+
 class FlatStep(NamedTuple):
-    """The result of a step: the new step count, the new optax state, its output and the precision's state.
+    """The result of a step: the new step count, the new optax state, its output and the precision's new state.
 
     Example:
         >>> import jax.numpy as jnp, optax
@@ -65,10 +83,8 @@ class FlatStep(NamedTuple):
     """The optax state after the update."""
     output: Any
     """The new params (``apply_updates=True``) or the updates."""
-    master: Any = None
-    """The new master copies ``{name: array}`` when the step was given masters, else ``None``."""
-    rounding: Any = None
-    """The new rounding state (compensation or key) when the step rounds narrow params, else ``None``."""
+    precision_state: Any = None
+    """The new state of the params' precision (master copies, compensation, key) when the step was given one, else ``None``."""
 
 
 @jax.tree_util.register_dataclass
@@ -80,12 +96,13 @@ class StepInputs:
     opt_state: Any
     grads: Any
     params: Any
-    held: Any
+    precision_state: Any
     dynamic_extra: list[Any]
     tx: optax.GradientTransformation = dataclasses.field(metadata={"static": True})
     precision: Any = dataclasses.field(metadata={"static": True})
     apply_updates: bool = dataclasses.field(metadata={"static": True})
     static_extra: Any = dataclasses.field(metadata={"static": True})
+    twin: bool = dataclasses.field(default=False, metadata={"static": True})
 
     @classmethod
     def of(
@@ -97,22 +114,27 @@ class StepInputs:
         params: Any,
         *,
         precision: Any = None,
-        held: Any = None,
+        precision_state: Any = None,
         apply_updates: bool = True,
         extra_args: Mapping[str, Any] | None = None,
+        twin: bool = False,
     ) -> StepInputs:
         """The inputs of one step; the extra arguments split into arrays (traced) and the rest (static).
 
         ``precision`` is how the params are held (a
         :class:`treeopt._step.precision.Precision`; ``None``: as they are) and
-        ``held`` its state. Arrays and numbers among the extra arguments are
-        inputs of the compiled step; anything else (a ``value_fn``, strings)
-        is static.
+        ``precision_state`` its state. Arrays and numbers among the extra
+        arguments are inputs of the compiled step; anything else (a
+        ``value_fn``, strings) is static. ``twin``: low-bit state takes its
+        block maxima from a twin evaluation of the step.
         """
         leaves, treedef = jax.tree.flatten(dict(extra_args or {}))
         dynamic = [strong(x) if isinstance(x, _DYNAMIC) else None for x in leaves]
         fixed = tuple(None if isinstance(x, _DYNAMIC) else x for x in leaves)
-        return cls(step, opt_state, grads, params, held, dynamic, tx, precision, apply_updates, (treedef, fixed))
+        return cls(
+            step, opt_state, grads, params, precision_state, dynamic,
+            tx, precision, apply_updates, (treedef, fixed), twin,
+        )  # fmt: skip
 
     def extra_args(self) -> dict[str, Any]:
         """The extra arguments of ``tx.update``, joined again from their two parts."""

@@ -7,13 +7,13 @@ attribute of a ``flax.nnx.Variable`` is dropped, so an nnx state reads
 
 A path (:data:`Path`) is the tuple of string keys that leads to a leaf of a
 nested state dict; parameter names may contain ``"/"``, so paths are never
-split on it (:func:`flatten_paths`).
+split on it (``treeopt._state.plain.flatten_paths`` flattens a state dict by them).
 """
 
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -214,26 +214,3 @@ def path_str(path: Path) -> str:
         'opt_state/0/mu/dense/kernel'
     """
     return "/".join(path)
-
-
-def flatten_paths(state_dict: Any, prefix: Path = (), keep_none: bool = False) -> dict[Path, Any]:
-    """``{path: leaf}`` of a nested state dict; empty dicts and ``None`` hold no leaves.
-
-    Lists and tuples (as some readers return them) are keyed by position. With
-    ``keep_none``, ``None`` values are kept as leaves (so that loading can say
-    that a leaf is ``None`` rather than missing).
-
-    Example:
-        >>> flatten_paths({"step": 1, "opt_state": {"0": {"mu": {"a/b": 2}}, "1": {}}})
-        {('step',): 1, ('opt_state', '0', 'mu', 'a/b'): 2}
-    """
-    out: dict[Path, Any] = {}
-    if isinstance(state_dict, Mapping):
-        items: Iterable[tuple[Any, Any]] = state_dict.items()
-    elif isinstance(state_dict, (list, tuple)) and not hasattr(state_dict, "_fields"):
-        items = enumerate(state_dict)
-    else:
-        return {prefix: state_dict} if state_dict is not None or keep_none else {}
-    for key, value in items:
-        out.update(flatten_paths(value, (*prefix, str(key)), keep_none))
-    return out

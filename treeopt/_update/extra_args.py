@@ -149,13 +149,8 @@ class _InUserStructure:
             params = self.treedef.unflatten(leaves)
         return self.fn(params, *args, **kwargs)
 
-    def _flatten(self) -> tuple[Any, Any]:
-        return self.arrays, (self.fn, self.treedef, self.names, self.index, self.fixed)
 
-    @classmethod
-    def _unflatten(cls, aux: Any, children: Any) -> _InUserStructure:
-        fn, treedef, names, index, fixed = aux
-        return cls(fn, treedef, names, index, tuple(children), fixed)
-
-
-jax.tree_util.register_pytree_node(_InUserStructure, _InUserStructure._flatten, _InUserStructure._unflatten)
+# The untrained array leaves are its leaves; the function and where the params' leaves go are static data.
+jax.tree_util.register_dataclass(
+    _InUserStructure, data_fields=["arrays"], meta_fields=["fn", "treedef", "names", "index", "fixed"]
+)

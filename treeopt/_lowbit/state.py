@@ -1,9 +1,9 @@
 """Low-bit state (``state_bits=``): which leaves of an optax state are held as codes, and the codes around a step.
 
-A leaf of the optax state is held as block-wise codes (:mod:`treeopt._step.lowbit`)
+A leaf of the optax state is held as block-wise codes (:mod:`treeopt._lowbit.codec`)
 when all of these hold:
 
-- it is a known running statistic (:mod:`treeopt._step.statistics`): a
+- it is a known running statistic (:mod:`treeopt._lowbit.statistics`): a
   field such as ``ScaleByAdamState.mu`` that holds one value per element of
   each parameter, averaged over steps. Anything else keeps full precision by
   construction: copies of the params, values that set them directly, any
@@ -43,8 +43,7 @@ import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 
-from treeopt._sharding.explicit import explicit_sharding, resharded_like
-from treeopt._step.lowbit import (
+from treeopt._lowbit.codec import (
     Format,
     QuantizedLeaf,
     block_layout,
@@ -53,13 +52,15 @@ from treeopt._step.lowbit import (
     encode_with,
     is_quantized,
 )
-from treeopt._step.statistics import field_at, fields_by_path, full_precision_reason, statistic_map
+from treeopt._lowbit.statistics import field_at, fields_by_path, full_precision_reason, statistic_map
+from treeopt._sharding.explicit import explicit_sharding, resharded_like
 from treeopt._tree.layout import ParamLayout
 from treeopt._tree.masks import name_matcher
-from treeopt._tree.paths import Path, flatten_paths, param_owners, path_str
+from treeopt._tree.paths import Path, param_owners, path_str
 from treeopt.errors import LoadReport, StateDictError
 
 __all__ = [
+    "CODES",
     "MIN_ELEMENTS",
     "checked_state_bits",
     "converted_source",
@@ -330,7 +331,7 @@ def decoded(opt_state: Any) -> Any:
 
     Example:
         >>> import jax.numpy as jnp
-        >>> from treeopt._step.lowbit import quantize
+        >>> from treeopt._lowbit.codec import quantize
         >>> decoded({"mu": quantize(jnp.full(4, 0.5), 8), "count": 1})
         {'count': 1, 'mu': Array([0.5, 0.5, 0.5, 0.5], dtype=float32)}
     """
@@ -359,7 +360,7 @@ def encoded_after_step(
 
     Example:
         >>> import jax.numpy as jnp
-        >>> from treeopt._step.lowbit import quantize
+        >>> from treeopt._lowbit.codec import quantize
         >>> state = {"mu": quantize(jnp.zeros(4), 8)}
         >>> type(encoded_after_step(state, {"mu": jnp.full(4, 0.5)})["mu"]).__name__
         'QuantizedLeaf'
@@ -412,11 +413,12 @@ def _after(value: jax.Array, other: Any) -> jax.Array:
 # -- state dicts -----------------------------------------------------------------------------------
 
 CODES, SCALES, FORMAT = "codes", "scales", "format"
+"""The entries of a low-bit leaf in a state dict."""
 
 
 def converted_source(
     units: Mapping[Path, Any],
-    source: Any,
+    source: Mapping[Path, Any],
     legacy_only: bool = False,
     signed: Mapping[Path, bool | None] | None = None,
 ) -> tuple[dict[Path, Any], tuple[tuple[str, str, str], ...]]:
@@ -428,12 +430,13 @@ def converted_source(
     target at a path (full precision, or codes of other bits, map or layout),
     the source's value is decoded whole and encoded again in the target's
     format; a state dict without ``format`` entries (written before formats
-    were recorded) is read in that first layout. Returns the source flattened
-    (``{path: value}``) and ``(path, from, to)`` of each conversion.
-    ``legacy_only``: convert only the codes written without a format (nothing
-    else is read: an exact load matches the rest as it is). ``signed``: by
-    path, whether the target's leaf is a signed statistic (``True``), an
-    unsigned one (``False``) or neither (``None``), for a full-precision target.
+    were recorded) is read in that first layout. ``source`` is the state dict
+    flattened (``{path: value}``); returns it converted and ``(path, from, to)``
+    of each conversion. ``legacy_only``: convert only the codes written without
+    a format (nothing else is read: an exact load matches the rest as it is).
+    ``signed``: by path, whether the target's leaf is a signed statistic
+    (``True``), an unsigned one (``False``) or neither (``None``), for a
+    full-precision target.
 
     A ``format`` that cannot describe the source's leaf (a block or an axis its
     codes and scales do not have, or the map of the other sign than the
@@ -441,13 +444,13 @@ def converted_source(
 
     Example:
         >>> import jax.numpy as jnp
-        >>> from treeopt._step.lowbit import quantize
+        >>> from treeopt._lowbit.codec import quantize
         >>> units = {("mu", "w"): quantize(jnp.zeros((64, 64)), 8)}
-        >>> flat, done = converted_source(units, {"mu": {"w": jnp.ones((64, 64))}})
+        >>> flat, done = converted_source(units, {("mu", "w"): jnp.ones((64, 64))})
         >>> sorted(flat), done
         ([('mu', 'w', 'codes'), ('mu', 'w', 'format'), ('mu', 'w', 'scales')], (('mu/w', 'float32[64, 64]', '8-bit signed codes'),))
     """
-    flat = flatten_paths(source)
+    flat = dict(source)
     signed = signed or {}
     done = []
     for path, unit in units.items():

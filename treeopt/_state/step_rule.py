@@ -88,20 +88,3 @@ def refuse_a_negative_step(state_dict: Any, lead: str, path: str = "step") -> No
         raise StateDictError.between(
             lead, mismatched=[(path, f"{EXPECTED} (the rule of checkpoint steps too)", str(value))]
         )
-
-
-def next_step(step: Any) -> jax.Array:
-    """``step + 1``, saturating at the largest value of its dtype (2**31 - 1 for int32) instead of wrapping.
-
-    As optax's own counts do (``optax.safe_increment``): a step count that
-    wrapped to a negative number would break the step rule (a checkpoint step
-    is non-negative), and a schedule would restart from its first value.
-
-    Example:
-        >>> import jax.numpy as jnp
-        >>> int(next_step(jnp.int32(4))), int(next_step(jnp.int32(2**31 - 1)))
-        (5, 2147483647)
-    """
-    count = jax.numpy.asarray(step)
-    # As optax.safe_increment, but a weakly typed count stays weak: a jitted step then traces once.
-    return jax.numpy.where(count < jax.numpy.iinfo(count.dtype).max, count + 1, count)

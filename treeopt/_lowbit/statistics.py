@@ -391,7 +391,7 @@ def markdown_table() -> str:
     """:func:`field_table` as the Markdown table of docs/low-bit-state.md.
 
     Regenerate the page's table with
-    ``python -c "from treeopt._step.statistics import markdown_table; print(markdown_table())"``.
+    ``python -c "from treeopt._lowbit.statistics import markdown_table; print(markdown_table())"``.
 
     Example:
         >>> markdown_table().splitlines()[:2]

@@ -1,6 +1,6 @@
 """The format of low-bit codes: bits, map and block layout, and where a shard may cut them.
 
-A :class:`Format` is static data of a :class:`~treeopt._step.lowbit.QuantizedLeaf`
+A :class:`Format` is static data of a :class:`~treeopt._lowbit.codec.QuantizedLeaf`
 and travels in a state dict as a small integer ``format`` entry.
 :func:`block_layout` picks the layout from an array's shape alone;
 :func:`codes_shape` and :func:`scales_shape` follow from it. A shard keeps

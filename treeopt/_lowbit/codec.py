@@ -6,7 +6,7 @@ per block, the block's absolute maximum; :meth:`QuantizedLeaf.dequantize`
 reads it back in the original shape and dtype. Each element takes the nearest
 level of a fixed map on [-1, 1] (signed: moments) or (0, 1] (unsigned: second
 moments, which must never read as 0); the maps are in
-:mod:`treeopt._step.lowbit_maps`.
+:mod:`treeopt._lowbit.maps`.
 
 **The format travels with the codes** (:class:`Format`): bits, map, block
 layout and map version are static data of the leaf, and a state dict holds
@@ -24,10 +24,13 @@ A ZeRO shard of the state keeps blocks whole; a model-parallel spec that cuts
 a block makes its maximum a small reduction across devices.
 
 **Storage.** 8-bit codes have the array's own shape, so they take its
-partition spec; 4-bit codes pair neighbours of the flattened trailing axes
-(``codes.shape`` is the array's with its last axis halved when that is even).
-Scales are ``shape[:axis] + (blocks per row,)``, float32 (float64 for float64
-arrays). A block of zeros has scale 0 and decodes to exact zeros; a block
+partition spec. 4-bit codes are two to a byte, a row at a time (a row: the
+axes from ``Format.axis`` on, flattened): the row's first half in the low
+nibbles of its bytes, its second half in the high ones, so ``codes.shape`` is
+``shape[:axis] + (ceil(row / 2),)`` (a ``(3, 64)`` array read from axis 0 has
+96 bytes of codes, ``(96,)``) and a shard may split the axes before the rows,
+never a row. Scales are ``shape[:axis] + (blocks per row,)``, float32 (float64
+for float64 arrays). A block of zeros has scale 0 and decodes to exact zeros; a block
 holding NaN or an infinity has scale NaN and decodes to NaN entirely, so the
 failure stays visible, and other blocks are untouched.
 
@@ -38,6 +41,9 @@ Example:
     ((2, 256), (2, 1), 520)
     >>> bool(jnp.abs(q.dequantize() - jnp.linspace(-1.0, 1.0, 512).reshape(2, 256)).max() < 0.02)
     True
+    >>> q4 = quantize(jnp.ones((3, 64)), bits=4)   # rows from axis 0: one row of 192 codes, 96 bytes
+    >>> q4.format.axis, q4.codes.shape, q4.scales.shape
+    (0, (96,), (2,))
 """
 
 from __future__ import annotations
@@ -52,9 +58,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from treeopt._sharding.explicit import explicit_sharding
-from treeopt._step import lowbit_maps
-from treeopt._step.lowbit_format import (
+from treeopt._lowbit import maps as lowbit_maps
+from treeopt._lowbit.format import (
     FORMAT_VERSION,
     Format,
     block_layout,
@@ -66,6 +71,8 @@ from treeopt._step.lowbit_format import (
     uncut_spec,
     zero_axes,
 )
+from treeopt._sharding.explicit import explicit_sharding
+from treeopt._sharding.specs import SpecifiesItself
 
 __all__ = [
     "FORMAT_VERSION",
@@ -85,16 +92,15 @@ __all__ = [
 ]
 
 
-@jax.tree_util.register_pytree_with_keys_class
-class QuantizedLeaf:
+class QuantizedLeaf(SpecifiesItself):
     """A float array held as block-wise low-bit ``codes`` and one ``scales`` entry per block.
 
     The pytree children are ``codes`` and ``scales``; the shape, dtype and
-    :class:`Format` are static aux data, so a ``QuantizedLeaf`` passes in and
+    :class:`Format` are static data, so a ``QuantizedLeaf`` passes in and
     out of ``jit`` and ``eval_shape`` keeping them. It answers for its own
     partition specs (:meth:`partition_specs`) and for the axes a ZeRO shard
     may take (:meth:`zero_axes`), as flax's ``AxisMetadata`` does for boxed
-    params.
+    params: it is a :class:`~treeopt._sharding.specs.SpecifiesItself`.
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -196,19 +202,6 @@ class QuantizedLeaf:
         """
         return zero_axes(self._shape, self.format, param_spec, shards, axis_sizes)
 
-    def tree_flatten_with_keys(self) -> tuple[tuple[tuple[Any, Any], ...], tuple[Any, ...]]:
-        keys = jax.tree_util.GetAttrKey
-        return ((keys("codes"), self.codes), (keys("scales"), self.scales)), self._aux()
-
-    @classmethod
-    def tree_unflatten(cls, aux: tuple[Any, ...], children: Any) -> QuantizedLeaf:
-        shape, dtype, fmt = aux
-        codes, scales = children
-        return cls(codes, scales, shape=shape, dtype=dtype, format=fmt)
-
-    def _aux(self) -> tuple[Any, ...]:
-        return (self._shape, self._dtype_name, self.format)
-
     def __repr__(self) -> str:
         return f"QuantizedLeaf(shape={self._shape}, dtype={self._dtype_name}, {self.format.describe()})"
 
@@ -228,6 +221,10 @@ def _from_state_dict(target: QuantizedLeaf, state: Mapping[str, Any]) -> Quantiz
     )
 
 
+# The arrays are its leaves; what they stand for is static data (the jit cache key).
+jax.tree_util.register_dataclass(
+    QuantizedLeaf, data_fields=["codes", "scales"], meta_fields=["shape", "dtype", "format"]
+)
 # A state dict holds a low-bit leaf as its codes, its scales and its format (Format.entry).
 flax.serialization.register_serialization_state(QuantizedLeaf, _to_state_dict, _from_state_dict)
 
