@@ -33,7 +33,7 @@ from treeopt._compat.deprecations import moved_names
 from treeopt._optimizer.optimizer import Optimizer
 from treeopt._optimizer.parts import state_parts
 from treeopt._sharding.abstract import eval_shape
-from treeopt._sharding.optimizer_specs import checked_param_specs
+from treeopt._sharding.optimizer_specs import checked_param_specs, whole_leaves_of
 from treeopt._sharding.specs import check_axes, is_spec
 from treeopt._sharding.zero import ZeroLeaf, ZeroReport, zero_plan
 from treeopt.typing import Params, ParamSpecs
@@ -275,7 +275,9 @@ def zero_report(
         [('opt_state[0].count', 'not param-owned')]
     """
     flat = checked_param_specs(_mesh_specs(param_specs, rules), opt.layout, mesh)
-    return zero_plan(state_parts(opt).by_part(), opt.layout, flat, shard_state_over, mesh)[1]
+    parts = state_parts(opt).by_part()
+    whole = whole_leaves_of(opt.tx, parts["opt_state"], opt.layout, mesh, opt.owned)
+    return zero_plan(parts, opt.layout, flat, shard_state_over, mesh, whole)[1]
 
 
 def _has_boxes(tree: Any) -> bool:

@@ -55,11 +55,11 @@ def one_device(tx, params, steps):
     return params, opt
 
 
-def sharded(tx, params, mesh, steps, specs=None, over="data"):
+def sharded(tx, params, mesh, steps, specs=None, over="data", **options):
     specs = specs or {name: P() for name in params}
     shardings = named_shardings(specs, mesh)
     placed = jax.device_put(params, shardings)
-    opt = init_sharded(treeopt.Optimizer(tx), placed, mesh, specs, shard_state_over=over)
+    opt = init_sharded(treeopt.Optimizer(tx, **options), placed, mesh, specs, shard_state_over=over)
     opt_shardings = optimizer_shardings(opt, specs, mesh, shard_state_over=over)
     jitted = jax.jit(
         step, in_shardings=(shardings, opt_shardings, shardings), out_shardings=(shardings, opt_shardings)
@@ -122,10 +122,16 @@ def test_a_stacked_leaf_is_owned_slice_by_slice_where_it_lies(axis_type):
     tx = optax.contrib.muon(1e-2, muon_weight_dimension_numbers=dims)
     params = make_params({"stack": (8, 64, 64)})
     want, _ = one_device(tx, params, 2)
-    got, opt, program = sharded(tx, params, mesh_of(axis_type), 2, specs={"stack": P("data")})
+    mesh = mesh_of(axis_type)
+    got, opt, program = sharded(tx, params, mesh, 2)
     assert_close(got, want)
+    # ZeRO's own rule would split the largest dimension (64); a stacked whole-leaf param's state splits by layer.
     assert opt.opt_state.inner_states["muon"].inner_state[0].mu["stack"].sharding.spec[0] == "data"
     assert program.count("all-to-all") == 0  # each device holds, and orthogonalizes, its own layer
+    report = treeopt.partitioning.zero_report(opt, {"stack": P()}, mesh, "data")
+    (owned,) = report.owned
+    assert (owned.param, owned.matrices, owned.batch_axes, owned.owners) == ("stack", 8, (0,), tuple(range(8)))
+    assert "stack  8 x (64, 64)     devices 0-7  (Muon's Newton-Schulz orthogonalization)" in str(report)
 
 
 def test_state_dicts_load_between_owned_and_one_device():
@@ -143,6 +149,35 @@ def test_state_dicts_load_between_owned_and_one_device():
         strict=True,
     ):
         assert leaf.sharding.is_equivalent_to(sharding, leaf.ndim)
+
+
+@pytest.mark.parametrize("axis_type", sorted(AXIS_TYPES))
+def test_owned_false_leaves_the_matrices_to_optax_by_name_or_all(axis_type):
+    params = make_params()
+    tx = optax.contrib.muon(1e-2)
+    want, _ = one_device(tx, params, 2)
+    mesh = mesh_of(axis_type)
+    _, _, owned = sharded(tx, params, mesh, 2)
+    got, opt, everywhere = sharded(tx, params, mesh, 2, owned=False)
+    assert_close(got, want)
+    _, opt, partly = sharded(tx, params, mesh, 2, owned={"layer0/*": False, "layer1/*": False})
+    if axis_type == "explicit":  # optax's matmuls on the gathered momenta: every device computes all of them
+        assert everywhere.flops > 4 * owned.flops
+        assert owned.flops < partly.flops < everywhere.flops
+    else:  # the compiler splits optax's matmuls over the ZeRO-split momenta, exchanging slices within
+        assert everywhere.count() > 2 * owned.count()
+        assert owned.count() < partly.count() < everywhere.count()
+    report = treeopt.partitioning.zero_report(opt, {name: P() for name in params}, mesh, "data")
+    where = {leaf.param: leaf.owners for leaf in report.owned}
+    assert where["layer0/kernel"] == where["layer1/kernel"] == ()
+    assert sorted(d for name, devices in where.items() for d in devices) == list(range(6))
+    assert "layer0/kernel  (64, 64)         every device (owned=False)" in str(report)
+
+
+def test_owned_is_checked_and_named():
+    for bad in ("yes", {"layer0/*": "no"}, {}, None):
+        with pytest.raises(TypeError, match="owned must be True, False, or a mapping"):
+            treeopt.Optimizer(optax.contrib.muon(1e-2), owned=bad)
 
 
 # -- who owns what -------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from treeopt._lowbit.state import checked_state_bits, constant_leaves, quantized
 from treeopt._optimizer.parts import state_parts, with_state_parts
 from treeopt._sharding.explicit import like_inputs
 from treeopt._sharding.optimizer_specs import optimizer_state_specs
+from treeopt._sharding.ownership import checked_owned
 from treeopt._state import state_dict as _state_dict
 from treeopt._step.initial import as_transformation, init_inputs, transformation_name
 from treeopt._step.options import (
@@ -38,11 +39,11 @@ if TYPE_CHECKING:
     from treeopt._step.step_io import FlatStep
 
 # The fields, declared once: static data (the jit cache key) and the leaves.
-_META = ("tx", "wrt", "state_bits", "precision", "_layout", "_lookahead")
+_META = ("tx", "wrt", "state_bits", "owned", "precision", "_layout", "_lookahead")
 _DATA = ("step", "opt_state", "precision_state")
 _FIELDS = (*_META, *_DATA)
 # What JAX passes when it rebuilds an optimizer, beyond the constructor's own arguments.
-_REBUILT = frozenset(_FIELDS) - {"tx", "wrt", "state_bits"}
+_REBUILT = frozenset(_FIELDS) - {"tx", "wrt", "state_bits", "owned"}
 
 
 class Optimizer:
@@ -104,10 +105,12 @@ class Optimizer:
             at ``init``, split every step), an integer in [0, 2**32). ``None``
             (default): 0, the same draws in every run. Refused with any other
             ``param_rounding``, where nothing would draw from it.
+        owned: on a mesh, each matrix an update reads whole (Muon's) is
+            computed by one owner device: ``True`` (default), ``False`` (as
+            optax alone computes them), or ``{glob: bool}`` by parameter
+            name, the first matching glob deciding (none: owned).
         **fields: only for JAX, which rebuilds an optimizer from its fields
-            (``jax.tree_util.register_dataclass``: ``precision``,
-            ``precision_state``, ``step``, ``opt_state`` and the layout); never
-            needed in user code.
+            (``jax.tree_util.register_dataclass``); never needed in user code.
 
     Example:
         >>> import jax, jax.numpy as jnp, optax, treeopt
@@ -183,6 +186,8 @@ class Optimizer:
 
     Example: ``Optimizer(tx, state_bits=8).state_bits`` is ``(("*", 8),)``.
     """
+    owned: tuple[tuple[str, bool], ...]
+    """Whose whole-leaf matrices one owner device computes on a mesh: ``((glob, owned), ...)`` (static)."""
     precision: Precision
     """How the trainable params are held and take an update (static), chosen once from ``master_dtype``,
     ``param_rounding`` and ``rounding_seed``: as they are, master weights, Kahan or stochastic rounding."""
@@ -200,13 +205,14 @@ class Optimizer:
         param_rounding: str | None = None,
         *,
         rounding_seed: int | None = None,
+        owned: bool | Mapping[str, bool] = True,
         **fields: Any,
     ):
         if fields:  # JAX rebuilding a flattened optimizer: its fields, checked when it was built
             if set(fields) != _REBUILT or (master_dtype, param_rounding, rounding_seed) != (None, None, None):
                 unexpected = sorted(set(fields) - _REBUILT) or sorted(fields)
                 raise TypeError(f"Optimizer() got an unexpected keyword argument {unexpected[0]!r}")
-            for name, value in {"tx": tx, "wrt": wrt, "state_bits": state_bits, **fields}.items():
+            for name, value in {"tx": tx, "wrt": wrt, "state_bits": state_bits, "owned": owned, **fields}.items():
                 object.__setattr__(self, name, value)
             return
         master_dtype = checked_master_dtype(master_dtype)
@@ -215,6 +221,7 @@ class Optimizer:
         object.__setattr__(self, "tx", as_transformation(tx))
         object.__setattr__(self, "wrt", tuple(wrt) if isinstance(wrt, list) else wrt)
         object.__setattr__(self, "state_bits", checked_state_bits(state_bits))
+        object.__setattr__(self, "owned", checked_owned(owned))
         object.__setattr__(self, "precision", precision_of(master_dtype, param_rounding, seed))
         for name in ("_layout", *_DATA):
             object.__setattr__(self, name, None)
@@ -393,6 +400,7 @@ class Optimizer:
                 extra_args=inputs.extra_args,
                 precision=self.precision,
                 precision_state=self.precision_state,
+                owned=self.owned,
             )
         except RuntimeError:  # checked only after the failure: the step itself pays nothing
             refuse_donated(self)
@@ -552,8 +560,9 @@ class Optimizer:
         """
         layout = self._require_layout()
         specs = optimizer_state_specs(
-            state_parts(self).by_part(), layout, param_specs, shard_state_over=shard_state_over, mesh=mesh
-        )
+            state_parts(self).by_part(), layout, param_specs, shard_state_over=shard_state_over, mesh=mesh,
+            tx=self.tx, owned=self.owned,
+        )  # fmt: skip
         # The parts hold the state's leaves in its order (the precision's views included): so do their specs.
         leaves = [leaf for tree in specs.values() for leaf in jax.tree.leaves(tree)]
         return jax.tree.unflatten(jax.tree.structure(self), [jax.sharding.PartitionSpec(), *leaves])

@@ -45,9 +45,24 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 from treeopt._compat.optax_private import multi_steps_parts
 from treeopt._sharding.specs import is_self_specified
 from treeopt._sharding.whole_leaf import Call, intercepted
+from treeopt._tree.masks import name_matcher
 from treeopt._tree.paths import path_to_name
 
-__all__ = ["Bucket", "OwnedLeaf", "call_names", "owned_update", "owners", "plan", "whole_leaves"]
+OwnedRules = tuple[tuple[str, bool], ...]
+"""``((glob, owned), ...)``: the first glob that matches a parameter's name decides; no match: owned."""
+
+__all__ = [
+    "Bucket",
+    "OwnedLeaf",
+    "OwnedRules",
+    "call_names",
+    "checked_owned",
+    "owned_update",
+    "owners",
+    "owns",
+    "plan",
+    "whole_leaves",
+]
 
 
 def plan(buckets: Sequence[tuple[float, int]], devices: int) -> list[list[int]]:
@@ -167,7 +182,7 @@ def whole_leaves(
     opt_state: Any,
     avals: Mapping[str, Any],
     devices: int,
-    owned: Callable[[str | None], bool] | None = None,
+    owned: OwnedRules | None = None,
 ) -> list[OwnedLeaf]:
     """The parameters whose update under ``tx`` reads matrices whole, and their owners among ``devices``.
 
@@ -175,8 +190,8 @@ def whole_leaves(
     params' shapes and dtypes ``avals`` (``{name: ShapeDtypeStruct}``) and
     ``opt_state`` (concrete or abstract; a low-bit leaf read as the array it
     stands for). A transformation that cannot update on shapes alone (one
-    that needs ``value=``) has none. ``owned(name)`` says whether a
-    parameter's matrices are owned (``None``: all are).
+    that needs ``value=``) has none. ``owned``: which parameters' matrices are
+    owned (:func:`owns`; ``None``: all).
 
     Example:
         >>> import jax, jax.numpy as jnp, optax
@@ -200,7 +215,7 @@ def whole_leaves(
     except Exception:  # an update that needs more than shapes (value=, ...): nothing found
         return []
     names = call_names(calls, dict(avals))
-    chosen = [i for i, name in enumerate(names) if owned is None or owned(name)]
+    chosen = [i for i, name in enumerate(names) if owns(owned, name)]
     assigned = dict(zip(chosen, owners([calls[i] for i in chosen], devices), strict=True))
     out = []
     for i, (call, name) in enumerate(zip(calls, names, strict=True)):
@@ -446,6 +461,46 @@ def _replicated(x: Any, mesh: Any) -> Any:
     return x
 
 
+def checked_owned(owned: Any) -> OwnedRules:
+    """The optimizer's ``owned`` option as rules by parameter name, or an error naming it and the choices.
+
+    Example:
+        >>> checked_owned(True), checked_owned({"embed/*": False})
+        ((('*', True),), (('embed/*', False),))
+        >>> checked_owned("yes")
+        Traceback (most recent call last):
+        ...
+        TypeError: owned must be True, False, or a mapping {glob over parameter names: True | False}, got 'yes'.
+    """
+    choices = "True, False, or a mapping {glob over parameter names: True | False}"
+    if isinstance(owned, bool):
+        return (("*", owned),)
+    if isinstance(owned, Mapping) and owned:
+        bad = {
+            glob: value
+            for glob, value in owned.items()
+            if not isinstance(glob, str) or not isinstance(value, bool)
+        }
+        if not bad:
+            return tuple(owned.items())
+        raise TypeError(f"owned must be {choices}, got the entries {bad}.")
+    raise TypeError(f"owned must be {choices}, got {owned!r}.")
+
+
+def owns(rules: OwnedRules | None, name: str | None) -> bool:
+    """Whether a parameter's whole-leaf matrices are owned under ``rules`` (a nameless call: by the ``"*"`` rule).
+
+    Example:
+        >>> rules = (("embed/*", False), ("*", True))
+        >>> owns(rules, "embed/table"), owns(rules, "dense/kernel"), owns(None, "x")
+        (False, True, True)
+    """
+    for glob, owned in rules or ():
+        if (name is None and glob == "*") or (name is not None and name_matcher(glob)(name)):
+            return owned
+    return True
+
+
 def owned_update(
     tx: Any,
     grads: Any,
@@ -453,14 +508,14 @@ def owned_update(
     params: Any,
     extra: Mapping[str, Any],
     *,
-    owned: Callable[[int], bool] | None = None,
+    owned: OwnedRules | None = None,
 ) -> tuple[Any, Any]:
     """``tx.update(grads, state, params, **extra)`` with its whole-leaf calls computed by their owners.
 
-    ``owned(i)`` says whether the ``i``-th whole-leaf call is owned (``None``:
-    all are); the others are computed as optax does, their leaf gathered
-    first under explicit axes (the compiler refuses optax's matmuls on a
-    split one).
+    ``owned``: which parameters' calls are owned, by name (:func:`owns`;
+    ``None``: all). The others are computed as optax does, on every device,
+    their leaf gathered first under explicit axes (the compiler refuses
+    optax's matmuls on a split one).
     """
     mesh = mesh_of(grads)
     if mesh is None:
@@ -474,7 +529,8 @@ def owned_update(
 
     with intercepted(record):
         tx.update(grads, state, params, **extra)
-    chosen = [i for i in range(len(calls)) if owned is None or owned(i)]
+    names = call_names(calls, grads) if owned is not None else [None] * len(calls)
+    chosen = [i for i, name in enumerate(names) if owns(owned, name)]
     computed: dict[int, Any] = {}
     if chosen:
         try:
@@ -496,7 +552,7 @@ def owned_update(
         return tx.update(grads, state, params, **extra)
 
 
-def _with_owned_inner(tx: Any, owned: Callable[[int], bool] | None) -> Any:
+def _with_owned_inner(tx: Any, owned: OwnedRules | None) -> Any:
     """``tx``, or for ``optax.MultiSteps`` the same accumulation around an owned inner transformation.
 
     ``MultiSteps`` runs its inner update inside a ``lax.cond``, whose values

@@ -484,7 +484,7 @@ def precision_step(inputs: StepInputs, extra: Mapping[str, Any]) -> FlatStep:
     """
     precision, params, state = inputs.precision or AS_IS, inputs.params, inputs.precision_state
     if precision.option is None:
-        updates, new_state = owned_update(inputs.tx, inputs.grads, inputs.opt_state, params, extra)
+        updates, new_state = owned_update(inputs.tx, inputs.grads, inputs.opt_state, params, extra, owned=inputs.owned)
         output = optax.apply_updates(params, updates) if inputs.apply_updates else updates
         return FlatStep(next_step(inputs.step), new_state, output, state)
     wide = precision.widened(state, params)
@@ -495,7 +495,7 @@ def precision_step(inputs: StepInputs, extra: Mapping[str, Any]) -> FlatStep:
         seen = {k: wide[k] if k in wide else p for k, p in params.items()}
     else:  # tx reads the wide values, if every trained param has one
         seen = {k: wide[k] for k in inputs.grads} if set(inputs.grads) <= set(wide) else None
-    updates, new_state = owned_update(inputs.tx, grads, inputs.opt_state, seen, extra)
+    updates, new_state = owned_update(inputs.tx, grads, inputs.opt_state, seen, extra, owned=inputs.owned)
     new, new_held = precision.written(wide, updates, dtypes, state)
     out = {}
     for k in inputs.grads:

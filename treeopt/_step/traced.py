@@ -21,8 +21,8 @@ import jax.numpy as jnp
 import optax
 
 from treeopt._lowbit.state import decoded, encoded_after_step, has_quantized
-from treeopt._step.precision import Precision, narrower, precision_step
 from treeopt._sharding.explicit import in_state_layout
+from treeopt._step.precision import Precision, narrower, precision_step
 from treeopt._step.step_io import FlatStep, StepInputs, strong
 from treeopt.typing import Params
 
@@ -136,6 +136,7 @@ def flat_step(
     extra_args: Mapping[str, Any] | None = None,
     precision: Precision | None = None,
     precision_state: Any = None,
+    owned: Any = None,
 ) -> FlatStep:
     """One optimizer step over the flat, named state: a pure function.
 
@@ -171,6 +172,9 @@ def flat_step(
             their dtype). ``None``: every param as it is.
         precision_state: the state of ``precision`` (``opt.precision_state``):
             the master copies, the compensation buffers or the key.
+        owned: on a mesh, whose whole-leaf computations (Muon's
+            Newton-Schulz) one owner device computes (``opt.owned``: rules
+            by parameter name; ``None``: all of them).
 
     Returns:
         A :class:`FlatStep` ``(step + 1, new opt_state, new params or updates,
@@ -190,6 +194,7 @@ def flat_step(
         return StepInputs.of(
             tx, step, opt_state, flat_grads, flat_params, precision=precision,
             precision_state=precision_state, apply_updates=apply_updates, extra_args=extra, twin=twin,
+            owned=owned,
         )  # fmt: skip
 
     if isinstance(step, jax.core.Tracer):
