@@ -8,6 +8,7 @@
   table the docs print).
 - ``state``: which state leaves are held as codes, the codes around a step,
   and low-bit values in state dicts.
+- ``legacy``: state dicts written before the format was recorded.
 
 May import: ``treeopt._compat``, ``treeopt._tree``, ``treeopt._sharding``
 (the spec contract a low-bit leaf answers to), ``treeopt.errors``,

@@ -172,9 +172,8 @@ def flat_step(
             their dtype). ``None``: every param as it is.
         precision_state: the state of ``precision`` (``opt.precision_state``):
             the master copies, the compensation buffers or the key.
-        owned: on a mesh, whose whole-leaf computations (Muon's
-            Newton-Schulz) one owner device computes (``opt.owned``: rules
-            by parameter name; ``None``: all of them).
+        owned: on a mesh, whose whole-leaf matrices (Muon's) one owner
+            device computes (``opt.owned``; ``None``: all of them).
 
     Returns:
         A :class:`FlatStep` ``(step + 1, new opt_state, new params or updates,
