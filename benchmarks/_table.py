@@ -38,6 +38,15 @@ NOTES: dict[str, Sequence[tuple[str, str]]] = {
         ("same_losses", "same losses: {}"),
         ("first_call_s", "first call {:.1f} s"),
     ),
+    "muon": (
+        ("time_vs_one_device", "x one device {:.2f}"),
+        ("collectives", "{} collectives"),
+        ("collectives_in_loops", "{} in loops"),
+        ("bytes_vs_params", "moved {:.2f}x params"),
+        ("flops_vs_one_device", "FLOPs/device x one device {:.3f}"),
+        ("error", "{}"),
+    ),
+    "gpu_muon": (("time_vs_adamw", "x AdamW {:.2f}"), ("matrices", "{} matrices"), ("device", "{}")),
     "zero": (
         ("state_vs_replicated", "x replicated {:.3f}"),
         ("median_ms", "step {:.1f} ms"),

@@ -10,10 +10,12 @@ params) runs, each variant in a fresh 8-device process, as:
 - ``treeopt replicated``: the state replicated and every device computing
   every matrix (``owned=False``), as data parallelism does by default;
 - ``treeopt ZeRO, split``: the state split over ``data`` element by element
-  (``owned=False``): the compiler moves slices at every Newton-Schulz
+  (``owned=False``): on explicit axes (``jax.make_mesh``'s default) each
+  device gathers the momenta and computes every matrix; on auto axes the
+  compiler splits optax's matmuls and moves slices at every Newton-Schulz
   iteration;
 - ``treeopt ZeRO, owned``: the state split over ``data`` and each matrix
-  computed by one owner (the default).
+  computed by one owner (the default), on both axis types.
 
 Besides the step time (CPU-only: the 8 virtual devices share the host's
 cores, so an owned step should approach the one-device time), the compiled
@@ -36,12 +38,14 @@ from benchmarks._common import Profile, Row, run_child, spread
 
 CASE = "muon"
 DEVICES = 8
-# variant: (on the mesh, shard_state_over, owned)
-VARIANTS: dict[str, tuple[bool, str | None, bool]] = {
-    "optax, one device": (False, None, False),
-    "treeopt replicated": (True, None, False),
-    "treeopt ZeRO, split": (True, "data", False),
-    "treeopt ZeRO, owned": (True, "data", True),
+# variant: (on the mesh, shard_state_over, owned, auto axes)
+VARIANTS: dict[str, tuple[bool, str | None, bool, bool]] = {
+    "optax, one device": (False, None, False, False),
+    "treeopt replicated": (True, None, False, False),
+    "treeopt ZeRO, split": (True, "data", False, False),
+    "treeopt ZeRO, split, auto axes": (True, "data", False, True),
+    "treeopt ZeRO, owned": (True, "data", True, False),
+    "treeopt ZeRO, owned, auto axes": (True, "data", True, True),
 }
 
 
@@ -63,7 +67,7 @@ def _child(variant: str, config: Sequence[Any]) -> dict[str, Any]:
     from treeopt.partitioning import init_sharded, optimizer_shardings
 
     _, n_matrices, width, ns_steps, warmup, steps = config
-    on_mesh, over, owned = VARIANTS[variant]
+    on_mesh, over, owned, auto = VARIANTS[variant]
     assert jax.device_count() >= DEVICES, jax.devices()
     shapes = shapes_of(n_matrices, width)
     n_params = sum(int(np.prod(s)) for s in shapes.values())
@@ -77,7 +81,8 @@ def _child(variant: str, config: Sequence[Any]) -> dict[str, Any]:
         return opt.update(grads, params), opt
 
     if on_mesh:
-        mesh = jax.make_mesh((DEVICES,), ("data",))
+        kinds = (jax.sharding.AxisType.Auto,) if auto else (jax.sharding.AxisType.Explicit,)
+        mesh = jax.make_mesh((DEVICES,), ("data",), axis_types=kinds)
         specs = {name: P() for name in shapes}
         param_sh = {name: NamedSharding(mesh, P()) for name in shapes}
         params = jax.jit(lambda: make(0, 0.02), out_shardings=param_sh)()
