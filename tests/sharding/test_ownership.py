@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import AxisType
+from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import treeopt
@@ -130,7 +130,12 @@ def test_a_stacked_leaf_is_owned_slice_by_slice_where_it_lies(axis_type):
     assert program.count("all-to-all") == 0  # each device holds, and orthogonalizes, its own layer
     report = treeopt.partitioning.zero_report(opt, {"stack": P()}, mesh, "data")
     (owned,) = report.owned
-    assert (owned.param, owned.matrices, owned.batch_axes, owned.owners) == ("stack", 8, (0,), tuple(range(8)))
+    assert (owned.param, owned.matrices, owned.batch_axes, owned.owners) == (
+        "stack",
+        8,
+        (0,),
+        tuple(range(8)),
+    )
     assert "stack  8 x (64, 64)     devices 0-7  (Muon's Newton-Schulz orthogonalization)" in str(report)
 
 
@@ -288,3 +293,95 @@ def one_device_8bit(params, steps):
     for i in range(steps):
         params, opt = jax.jit(step)(params, opt, grads_at(student(), i))
     return params, opt
+
+
+# -- through the faces and checkpoints ------------------------------------------------------------------
+
+
+def test_a_checkpoint_of_owned_state_restores_onto_half_the_devices_and_resumes(tmp_path):
+    params = make_params()
+    tx = optax.contrib.muon(1e-2)
+    _, eight, _ = sharded(tx, params, mesh_of("explicit"), 2)
+    treeopt.checkpoint.save(tmp_path / "ckpt", eight)
+    four = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
+    specs = {name: P() for name in params}
+    target = jax.eval_shape(treeopt.Optimizer(tx).init, params)
+    shardings = optimizer_shardings(target, specs, four, shard_state_over="data")
+    restored = treeopt.checkpoint.restore(tmp_path / "ckpt", target, shardings=shardings)
+    for got, want in zip(
+        jax.tree.leaves(restored.state_dict()), jax.tree.leaves(eight.state_dict()), strict=True
+    ):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    after_two = one_device(tx, params, 2)[0]
+    placed = jax.device_put(after_two, named_shardings(specs, four))
+    grads = jax.device_put(grads_at(after_two, 2), named_shardings(specs, four))
+    with jax.set_mesh(four):
+        resumed, _ = jax.jit(step)(placed, restored, grads)
+    assert_close(resumed, one_device(tx, params, 3)[0])
+
+
+@pytest.mark.parametrize("axis_type", sorted(AXIS_TYPES))
+def test_the_nnx_drop_in_owns_muons_matrices_under_zero(axis_type):
+    from flax import nnx
+
+    params = make_params()
+
+    class Layers(nnx.Module):
+        def __init__(self, values):
+            self.kernels = nnx.Dict({name.split("/")[0]: nnx.Param(value) for name, value in values.items()})
+
+    mesh = mesh_of(axis_type)
+    shardings = named_shardings({name: P() for name in params}, mesh)
+    model = Layers(jax.device_put(params, shardings))
+    optimizer = treeopt.nnx.Optimizer(model, optax.contrib.muon(1e-2), wrt=nnx.Param)
+    specs = optimizer.partition_specs(
+        jax.tree.map(lambda _: P(), nnx.state(model, nnx.Param)), shard_state_over="data", mesh=mesh
+    )
+    optimizer.treeopt.set_value(jax.device_put(optimizer.treeopt.get_value(), named_shardings(specs, mesh)))
+
+    @nnx.jit
+    def train_step(model, optimizer, i):
+        grads = jax.tree.map(lambda p: jnp.sin(p * (i + 2.0)), nnx.state(model, nnx.Param))
+        optimizer.update(model, grads)
+
+    with jax.set_mesh(mesh):
+        for i in range(2):
+            train_step(model, optimizer, i)
+    want, _ = one_device(optax.contrib.muon(1e-2), params, 2)
+    assert_close({f"{name}/kernel": v[...] for name, v in model.kernels.items()}, want)
+
+
+@pytest.mark.parametrize("axis_type", sorted(AXIS_TYPES))
+def test_treeopt_t5x_owns_muons_matrices_under_its_zero(axis_type):
+    import flax.linen as nn
+
+    from treeopt.t5x import optimizers
+
+    params = make_params()
+    nested = {name.split("/")[0]: {"kernel": value} for name, value in params.items()}
+    axes = jax.tree.map(lambda _: P("embed", "mlp"), nested)
+    rules = [("batch", "data"), ("embed", None), ("mlp", None)]
+    mesh = mesh_of(axis_type)
+    opt_def = optimizers.OptaxWrapper(optax.contrib.muon(1e-2))
+    logical = opt_def.derive_logical_axes(
+        jax.eval_shape(opt_def.create, nested),
+        axes,
+        shard_state_over="batch",
+        mesh=mesh,
+        logical_axis_rules=rules,
+    )
+    shardings = jax.tree.map(
+        lambda s: NamedSharding(mesh, P() if s is None else nn.logical_to_mesh_axes(s, rules)),
+        logical,
+        is_leaf=lambda s: s is None or isinstance(s, P),
+    )
+    opt = jax.jit(opt_def.create, out_shardings=shardings)(nested)
+    apply = jax.jit(lambda o, g: o.apply_gradient(g), out_shardings=shardings)
+    with jax.set_mesh(mesh):
+        for i in range(2):
+            opt = apply(opt, jax.tree.map(lambda p, i=i: jnp.sin(p * (i + 2.0)), opt.target))
+        program = _hlo.read(apply.lower(opt, opt.target).compile())
+    want, _ = one_device(optax.contrib.muon(1e-2), params, 2)
+    assert_close({f"{name}/kernel": leaf["kernel"] for name, leaf in opt.target.items()}, want)
+    reference = jax.jit(step).lower(params, treeopt.Optimizer(optax.contrib.muon(1e-2)).init(params), params)
+    assert program.flops <= _hlo.read(reference.compile()).flops / 4
