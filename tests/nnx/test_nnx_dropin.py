@@ -541,22 +541,27 @@ def test_partition_specs_from_the_models_specs_and_zero_over_data():
     assert optimizer.opt_state[0].mu["kernel"].sharding.spec == P("data", "model")
 
 
+SHARDED_MLP_SPECS = {"up": P(None, "model"), "down": P("model", None), "head": P(), "bias": P()}
+
+
 class ShardedMLP(nnx.Module):
-    """A kernel split by columns and one by rows over "model", and a replicated one; valid on explicit axes."""
+    """A kernel split by columns and one by rows over "model", and replicated ones; valid on explicit axes.
 
-    def __init__(self, dtype):
-        def init(*sharding):
-            return nnx.with_partitioning(nnx.initializers.lecun_normal(), sharding=sharding)
+    Built from arrays already placed (no ``nnx.with_partitioning``: the drop-in reads where the
+    params lie from the arrays themselves).
+    """
 
-        rngs = nnx.Rngs(0)
-        self.up = nnx.Linear(16, 64, kernel_init=init(None, "model"), use_bias=False, param_dtype=dtype, rngs=rngs)
-        self.down = nnx.Param(init("model", None)(rngs.params(), (64, 64), dtype))
-        self.head = nnx.Linear(64, 8, param_dtype=dtype, rngs=rngs)
+    def __init__(self, mesh, dtype):
+        keys = iter(jax.random.split(jax.random.key(0), 4))
+        shapes = {"up": (16, 64), "down": (64, 64), "head": (64, 8), "bias": (8,)}
+        for name, shape in shapes.items():
+            value = (0.2 * jax.random.normal(next(keys), shape)).astype(dtype)
+            setattr(self, name, nnx.Param(jax.device_put(value, jax.sharding.NamedSharding(mesh, SHARDED_MLP_SPECS[name]))))
 
     def __call__(self, x):
-        h = jnp.tanh(self.up(x.astype(self.up.kernel.dtype)))
+        h = jnp.tanh(x.astype(self.up.dtype) @ self.up[...])
         h = jnp.sum(h[:, :, None] * self.down[...][None], axis=1)  # a reduction: no out_sharding needed
-        return self.head(h)
+        return h @ self.head[...] + self.bias[...]
 
 
 @pytest.mark.parametrize("axis_type", ["auto", "explicit"])
@@ -568,12 +573,10 @@ class ShardedMLP(nnx.Module):
 def test_zero_state_leaves_the_params_where_they_were(axis_type, options):
     kind = {"auto": jax.sharding.AxisType.Auto, "explicit": jax.sharding.AxisType.Explicit}[axis_type]
     mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(kind, kind))
+    model = ShardedMLP(mesh, jnp.bfloat16 if options else jnp.float32)
     with jax.set_mesh(mesh):
-        model = ShardedMLP(jnp.bfloat16 if options else jnp.float32)
         optimizer = treeopt.nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param, **options)
-        zero = optimizer.partition_specs(
-            nnx.get_partition_spec(nnx.state(model, nnx.Param)), shard_state_over="data", mesh=mesh
-        )
+        zero = optimizer.partition_specs(SHARDED_MLP_SPECS, shard_state_over="data", mesh=mesh)
         set_core(optimizer, jax.device_put(core_of(optimizer), treeopt.partitioning.named_shardings(zero, mesh)))
         before = {path: v[...].sharding for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
         assert before[("down",)].spec == P("model", None)
@@ -589,7 +592,7 @@ def test_zero_state_leaves_the_params_where_they_were(axis_type, options):
     assert int(optimizer.step[...]) == 2
     for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         assert v[...].sharding.is_equivalent_to(before[path], v[...].ndim), (path, v[...].sharding, before[path])
-    assert "data" in str(optimizer.opt_state[0].mu["up/kernel"].sharding.spec)  # the state stays ZeRO's
+    assert "data" in str(optimizer.opt_state[0].mu["up"].sharding.spec)  # the state stays ZeRO's
 
 
 def test_options_of_the_treeopt_optimizer_pass_through():

@@ -258,7 +258,8 @@ def student():
     }
 
 
-def test_8bit_muon_momentum_trains_like_float32_in_an_eighth_of_a_byte_a_param_per_device():
+@pytest.mark.slow  # two 300-step trainings: the slow tier (-m slow) runs it
+def test_8bit_muon_momentum_trains_like_float32():
     @jax.jit
     def train_step(params, opt, i):
         x = jax.random.normal(jax.random.fold_in(jax.random.key(1), i), (64, D_IN))
@@ -279,6 +280,8 @@ def test_8bit_muon_momentum_trains_like_float32_in_an_eighth_of_a_byte_a_param_p
     assert type(opt.opt_state.inner_states["muon"].inner_state[0].mu["w1"]).__name__ == "QuantizedLeaf"
     assert abs(final[8] / final[None] - 1) < 0.01, final
 
+
+def test_8bit_muon_momentum_is_owned_in_an_eighth_of_a_byte_a_param_per_device():
     mesh = mesh_of("explicit")
     specs = {name: P() for name in TEACHER}
     params = jax.device_put(student(), named_shardings(specs, mesh))

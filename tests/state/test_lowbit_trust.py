@@ -287,6 +287,7 @@ def noisy_run(tx: Any, state_bits: Any, steps: int = 30) -> jax.Array:
     return params["w"]
 
 
+@pytest.mark.slow  # 29 optimizers trained at 8 and 4 bits: the slow tier (-m slow) runs the walk
 @pytest.mark.parametrize("name", COMBINING)
 def test_statistics_an_update_combines_never_turn_nan_and_train_like_float32(name):
     with warnings.catch_warnings():

@@ -254,7 +254,12 @@ def test_kahan_moves_float8_params_at_adam_1e4_about_as_far_as_master_weights(dt
             params, opt = step(params, opt)
         return float(jnp.mean(jnp.abs(params["w"].astype(F32) - start["w"].astype(F32)))), opt
 
-    masters, _ = moved(master_dtype=F32)
+    # Where master weights take the params after 1000 of Adam's steps of 1e-4 against a constant
+    # gradient: 0.1 down, in float32, rounded into the params' dtype (what they give on current JAX;
+    # at JAX 0.7.1 XLA's float8 conversions let them lose steps).
+    masters = float(
+        jnp.mean(jnp.abs((start["w"].astype(F32) - 0.1).astype(dtype).astype(F32) - start["w"].astype(F32)))
+    )
     kahan, opt = moved(param_rounding="kahan")
     assert masters > 0 and kahan >= 0.5 * masters, (kahan, masters)
     assert opt.rounding["compensation"]["w"].dtype == F32
