@@ -358,6 +358,7 @@ def short_orbax_waits(monkeypatch):
     monkeypatch.setattr(multihost, "_DEFAULT_BARRIER_TIMEOUT", 15)
 
 
+@pytest.mark.slow  # crashes at every filesystem operation and SIGKILLed children: the slow tier (-m slow) runs it
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 @pytest.mark.usefixtures("short_orbax_waits")
 def test_a_forced_save_killed_at_any_filesystem_operation_loses_nothing(tmp_path):
@@ -397,6 +398,7 @@ def test_a_forced_save_killed_at_any_filesystem_operation_loses_nothing(tmp_path
     assert outcomes == sorted(outcomes) and outcomes[0] == 1 and outcomes[-1] == 2
 
 
+@pytest.mark.slow  # crashes at every filesystem operation and SIGKILLed children: the slow tier (-m slow) runs it
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 @pytest.mark.usefixtures("short_orbax_waits")
 def test_a_manager_killed_at_any_filesystem_operation_lists_only_steps_that_restore(tmp_path):
@@ -542,6 +544,7 @@ def _kill_at_random_instants(tmp_path, mode, watched, trials, check):
         first += len(saved) + 2  # past every step that may have been saved unreported
 
 
+@pytest.mark.slow  # crashes at every filesystem operation and SIGKILLed children: the slow tier (-m slow) runs it
 def test_forced_saves_killed_at_random_instants_never_lose_the_newest_checkpoint(tmp_path):
     path = tmp_path / "saves" / "ckpt"
     ckpt.save(path, *state_at(0))
@@ -562,6 +565,7 @@ def test_forced_saves_killed_at_random_instants_never_lose_the_newest_checkpoint
     assert siblings(path) == ["ckpt"]
 
 
+@pytest.mark.slow  # crashes at every filesystem operation and SIGKILLed children: the slow tier (-m slow) runs it
 def test_a_manager_killed_at_random_instants_lists_only_steps_that_restore(tmp_path):
     directory = tmp_path / "run"
     latest = [None]

@@ -17,6 +17,8 @@ import sys
 import threading
 from pathlib import Path
 
+import pytest
+
 from _helpers import python_blocks
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -87,6 +89,7 @@ def losses_until(proc: subprocess.Popen[str], last_line: str) -> dict[int, str]:
     raise AssertionError(f"the child ended before printing {last_line!r}:\n{stderr[-3000:]}")
 
 
+@pytest.mark.slow  # three children training the page's loop: the slow tier (-m slow) runs it
 def test_losses_after_a_sigkill_and_resume_equal_the_uninterrupted_run(tmp_path):
     program = page_program(tmp_path)
 

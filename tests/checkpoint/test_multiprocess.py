@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -252,6 +253,7 @@ def run_workers(out_dir: Path) -> list[tuple[int | None, str]]:
     return [(proc.returncode, log.read_text(errors="replace")) for proc, log in zip(procs, logs, strict=True)]
 
 
+@pytest.mark.slow  # two Python workers on loopback: the slow tier (-m slow) runs it
 def test_two_processes_match_one_process(tmp_path):
     for attempt in range(2):  # a second try only if the free port was taken meanwhile
         results = run_workers(tmp_path)

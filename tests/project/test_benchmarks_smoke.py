@@ -206,6 +206,7 @@ def test_smoke_run_measures_every_case(tmp_path: Path) -> None:
     check_memory_ladder_bytes_follow_the_arithmetic(saved)
 
 
+@pytest.mark.slow  # compiles the GPU case's programs on CPU: the slow tier (-m slow) runs it
 def test_gpu_case_code_path_runs_on_any_backend() -> None:
     measured = gpu_bandwidth.run(_common.SMOKE, log=lambda _: None, force=True)
     assert [(r.config.split(",")[0], r.variant) for r in measured] == [
@@ -219,6 +220,7 @@ def test_gpu_case_code_path_runs_on_any_backend() -> None:
         assert r.extra["lower_bound_bytes"] == gpu_bandwidth.BYTES_PER_PARAM * r.extra["n_params"]
 
 
+@pytest.mark.slow  # compiles the GPU case's programs on CPU: the slow tier (-m slow) runs it
 def test_gpu_lowbit_case_code_path_runs_on_any_backend() -> None:
     # One low-bit variant: each compiles for seconds on a CPU, and the loop is the same for all.
     measured = gpu_lowbit.run(_common.SMOKE, log=lambda _: None, force=True, variants=["4-bit moments"])
@@ -232,6 +234,7 @@ def test_gpu_lowbit_case_code_path_runs_on_any_backend() -> None:
     assert [gpu_lowbit.lower_bound_bytes_per_param(b) for b in (None, 8, 4)] == [28, 16.0625, 14.125]
 
 
+@pytest.mark.slow  # compiles the GPU case's programs on CPU: the slow tier (-m slow) runs it
 def test_gpu_muon_case_code_path_runs_on_any_backend() -> None:
     measured = gpu_muon.run(_common.SMOKE, log=lambda _: None, force=True)
     by_variant = {r.variant: r for r in measured}

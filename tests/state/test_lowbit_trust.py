@@ -69,11 +69,16 @@ def _update(opt: Any, tx: Any, grads: Any, params: Any, loss: Any = loss_fn) -> 
 
 
 def run(tx: Any, state_bits: Any, steps: int = 25) -> tuple[Any, Any]:
-    opt = treeopt.Optimizer(tx, state_bits=state_bits).init(PARAMS)
-    params = PARAMS
+    """``steps`` jitted steps, as a training loop runs them (one compilation, not op-by-op dispatch)."""
+
+    @jax.jit
+    def step(opt: Any, params: Any) -> tuple[Any, Any]:
+        params = _update(opt, tx, jax.grad(loss_fn)(params), params)
+        return opt, params
+
+    opt, params = treeopt.Optimizer(tx, state_bits=state_bits).init(PARAMS), PARAMS
     for _ in range(steps):
-        grads = jax.grad(loss_fn)(params)
-        params = _update(opt, tx, grads, params)
+        opt, params = step(opt, params)
     return params, opt
 
 
