@@ -6,7 +6,9 @@ one device (rtol 1e-5: a stack of matrices may be multiplied in another order
 than one matrix), no collective inside any loop, as many collectives at 10
 Newton-Schulz steps as at 5, at most twice the params' bytes moved per step,
 and a fraction of the one-device FLOPs on each device. The checks read the
-compiled program's HLO.
+compiled program's HLO. Model-sharded bf16 params with master weights, Kahan
+or stochastic rounding are owned across all the mesh's devices and keep their
+layout and one device's numbers.
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ def make_params(shapes=MATRICES):
 
 
 def grads_at(params, i):
-    return {name: jnp.sin(p * (i + 2.0)) for name, p in params.items()}
+    """Eager jax ops in the params' dtype, whatever array type holds them (numpy would round bf16 otherwise)."""
+    return {name: jnp.sin(jnp.asarray(p) * (i + 2.0)) for name, p in params.items()}
 
 
 def mesh_of(axis_type, shape=(8,), names=("data",)):
@@ -99,7 +102,14 @@ def test_muon_under_zero_steps_as_one_device_with_one_exchange(axis_type):
 @pytest.mark.parametrize("axis_type", sorted(AXIS_TYPES))
 def test_matrices_of_mixed_shapes_and_uneven_counts_step_as_one_device(axis_type):
     """Three squares, a wide and a tall matrix (stacked with the wide one, transposed) over 8 devices."""
-    shapes = {"a": (64, 64), "b": (64, 64), "c": (64, 64), "wide": (64, 128), "tall": (128, 64), "bias": (64,)}
+    shapes = {
+        "a": (64, 64),
+        "b": (64, 64),
+        "c": (64, 64),
+        "wide": (64, 128),
+        "tall": (128, 64),
+        "bias": (64,),
+    }
     params = make_params(shapes)
     tx = optax.contrib.muon(1e-2)
     want, _ = one_device(tx, params, 2)
@@ -109,6 +119,55 @@ def test_matrices_of_mixed_shapes_and_uneven_counts_step_as_one_device(axis_type
     # The dearest device does one 64 x 128 matrix (0.29 of them all); a device that computed the zeros its
     # stacks pad it with would do a square and a wide one (0.43).
     assert program.flops < _hlo.read(reference).flops / 3
+
+
+PRECISIONS = {
+    "master": {"master_dtype": jnp.float32},
+    "kahan": {"param_rounding": "kahan"},
+    "stochastic": {"param_rounding": "stochastic", "rounding_seed": 0},
+}
+
+
+@pytest.mark.parametrize("axis_type", sorted(AXIS_TYPES))
+@pytest.mark.parametrize("precision", sorted(PRECISIONS))
+def test_model_sharded_bf16_params_are_owned_with_their_precision(axis_type, precision):
+    """A 4 x 2 (data x model) mesh; kernels split over ``model`` by columns and by rows; bf16 params."""
+    params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), make_params())
+    specs = {name: P(None, "model") if i % 2 else P("model", None) for i, name in enumerate(params)}
+    tx, options = optax.contrib.muon(1e-2), PRECISIONS[precision]
+    opt = treeopt.Optimizer(tx, **options).init(params)
+    want = params
+    for i in range(3):
+        want, opt = jax.jit(step)(want, opt, grads_at(want, i))
+    mesh = mesh_of(axis_type, (4, 2), ("data", "model"))
+    got, got_opt, program = sharded(tx, params, mesh, 3, specs, **options)
+    for name, spec in specs.items():
+        assert got[name].sharding.spec == spec and got[name].dtype == jnp.bfloat16, name
+    mine, theirs = got_opt.state_dict(), opt.state_dict()
+    if precision == "kahan":  # a param and its compensation hold one float32 value between them
+        for name in want:
+            held = [
+                np.asarray(p, np.float32) + np.asarray(c, np.float32)
+                for p, c in (
+                    (got[name], mine["compensation"].pop(name)),
+                    (want[name], theirs["compensation"].pop(name)),
+                )
+            ]
+            np.testing.assert_allclose(*held, rtol=RTOL, atol=ATOL, err_msg=name)
+    else:  # bf16 params: one rounding of the new value apart at most (a bf16 ulp is 2**-7 of the value)
+        for name in want:
+            np.testing.assert_allclose(
+                np.asarray(got[name], np.float32),
+                np.asarray(want[name], np.float32),
+                rtol=2**-7,
+                err_msg=name,
+            )
+    # The float32 masters and momenta beneath the bf16 params, as one device holds them.
+    for a, b in zip(jax.tree.leaves(mine), jax.tree.leaves(theirs), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=RTOL, atol=ATOL)
+    reference = jax.jit(step).lower(params, treeopt.Optimizer(tx, **options).init(params), params).compile()
+    ratio = program.flops / _hlo.read(reference).flops
+    assert ratio < 0.2, ratio  # an eighth of the matrices a device: owned across both axes, not per model shard
 
 
 @pytest.mark.parametrize("axis_type", sorted(AXIS_TYPES))
