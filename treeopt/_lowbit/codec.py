@@ -72,7 +72,7 @@ from treeopt._lowbit.format import (
     zero_axes,
 )
 from treeopt._sharding.explicit import explicit_sharding
-from treeopt._sharding.specs import SpecifiesItself
+from treeopt._sharding.specs import SpecifiesItself, spec_of_entries
 
 __all__ = [
     "FORMAT_VERSION",
@@ -477,16 +477,9 @@ def _uncut(x: jax.Array, shape: Sequence[int], fmt: Format) -> jax.Array:
         return x
     sizes = {str(name): int(size) for name, size in dict(sharding.mesh.shape).items()}
     spec = uncut_spec(shape, fmt, sharding.spec, sizes)
-    if tuple(spec) == _trimmed(sharding.spec):
+    if tuple(spec) == tuple(spec_of_entries(sharding.spec)):
         return x
     return jax.sharding.reshard(x, jax.sharding.NamedSharding(sharding.mesh, spec))
-
-
-def _trimmed(spec: PartitionSpec) -> tuple[Any, ...]:
-    entries = list(spec)
-    while entries and entries[-1] is None:
-        entries.pop()
-    return tuple(entries)
 
 
 def _compute_dtype(dtype: Any) -> Any:
