@@ -33,10 +33,28 @@ def explicit_sharding(leaf: Any) -> Any:
         sharding = getattr(jax.typeof(leaf), "sharding", None)
     else:  # a concrete array's own sharding: no aval built for every leaf of every eager update
         sharding = getattr(leaf, "sharding", None)
-    axis_types = getattr(getattr(sharding, "mesh", None), "axis_types", ())
-    if not any(t == AxisType.Explicit for t in axis_types):
+    return sharding if is_explicit(getattr(sharding, "mesh", None)) else None
+
+
+def is_explicit(mesh: Any) -> bool:
+    """Whether ``mesh`` has an explicit axis (``None``, or no mesh: ``False``).
+
+    Example:
+        >>> import jax
+        >>> is_explicit(jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,)))
+        True
+    """
+    return any(t == AxisType.Explicit for t in getattr(mesh, "axis_types", ()))
+
+
+def _placement(leaf: Any) -> Any:
+    """The ``NamedSharding`` of a concrete ``leaf`` on a mesh of several devices, else ``None``."""
+    if isinstance(leaf, jax.core.Tracer):
         return None
-    return sharding
+    sharding = getattr(leaf, "sharding", None)
+    if not isinstance(sharding, jax.sharding.NamedSharding):
+        return None
+    return sharding if sharding.mesh.size > 1 else None
 
 
 def _like(new: Any, sharding: Any) -> Any:
@@ -61,13 +79,11 @@ def resharded_like(x: Any, target: Any) -> Any:
 
 def _placed_like(new: Any, old: Any) -> Any:
     """A concrete ``new`` on the sharding of a concrete ``old`` (on a mesh of several devices), else ``None``."""
-    sharding = getattr(old, "sharding", None)
+    sharding = _placement(old)
     if (
-        isinstance(old, jax.core.Tracer)
+        sharding is None
         or isinstance(new, jax.core.Tracer)
         or not isinstance(new, jax.Array)
-        or not isinstance(sharding, jax.sharding.NamedSharding)
-        or sharding.mesh.size < 2
         or new.sharding.is_equivalent_to(sharding, new.ndim)
     ):
         return None
@@ -92,10 +108,8 @@ def like_inputs(new: Any, old: Any) -> Any:
         return new
     old_leaves = jax.tree.leaves(old)
     targets = [explicit_sharding(leaf) for leaf in old_leaves]
-    concrete = any(
-        isinstance(getattr(leaf, "sharding", None), jax.sharding.NamedSharding) for leaf in old_leaves
-    )
-    if not concrete and not any(target is not None for target in targets):
+    placed = any(_placement(leaf) is not None for leaf in old_leaves)
+    if not placed and not any(target is not None for target in targets):
         return new
     leaves, treedef = jax.tree.flatten(new)
     out = []
@@ -117,12 +131,7 @@ def placements(tree: Any) -> tuple[Any, ...]:
         >>> placements({"w": jnp.ones(2)})   # one device: nothing to keep
         (None,)
     """
-    out = []
-    for leaf in jax.tree.leaves(tree):
-        sharding = getattr(leaf, "sharding", None)
-        keep = isinstance(sharding, jax.sharding.NamedSharding) and sharding.mesh.size > 1
-        out.append(sharding if keep and not isinstance(leaf, jax.core.Tracer) else None)
-    return tuple(out)
+    return tuple(_placement(leaf) for leaf in jax.tree.leaves(tree))
 
 
 def placed_like(new: Any, old: Any, kept: tuple[Any, ...] | None = None) -> Any:

@@ -40,9 +40,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import AxisType, NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
 from treeopt._compat.optax_private import multi_steps_parts
+from treeopt._sharding.explicit import is_explicit
 from treeopt._sharding.specs import is_self_specified
 from treeopt._sharding.whole_leaf import Call, intercepted
 from treeopt._tree.masks import name_matcher
@@ -270,10 +271,6 @@ def mesh_of(tree: Any) -> Any:
     return None
 
 
-def _explicit(mesh: Any) -> bool:
-    return any(t == AxisType.Explicit for t in mesh.axis_types)
-
-
 def _spec_of(x: Any) -> tuple[Any, ...]:
     spec = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None)
     return tuple(spec) if spec is not None else ()
@@ -312,7 +309,7 @@ class _Stacked:
 def owned_results(calls: Sequence[Call], mesh: Any) -> list[Any]:
     """The results of ``calls``, each matrix computed by its owner (see the module doc)."""
     devices = math.prod(mesh.shape.values())
-    explicit = _explicit(mesh)
+    explicit = is_explicit(mesh)
     assigned = owners(calls, devices)
     stacked = []
     for bucket in buckets_of(calls):
@@ -456,7 +453,7 @@ def _orthogonalized(stacked: Sequence[_Stacked], mesh: Any) -> list[Any]:
 
 def _replicated(x: Any, mesh: Any) -> Any:
     """``x`` replicated over ``mesh`` (under explicit axes a small array's type may name an axis)."""
-    if _explicit(mesh) and any(entry is not None for entry in _spec_of(x)):
+    if is_explicit(mesh) and any(entry is not None for entry in _spec_of(x)):
         return jax.sharding.reshard(x, NamedSharding(mesh, PartitionSpec()))
     return x
 
@@ -544,7 +541,7 @@ def owned_update(
         if i is not None and i in computed:
             return computed[i]
         leaf = call.leaf
-        if _explicit(mesh):
+        if is_explicit(mesh):
             leaf = jax.sharding.reshard(leaf, NamedSharding(mesh, PartitionSpec()))
         return call.compute(leaf)
 
