@@ -18,7 +18,6 @@ runs it anyway on a small size (the smoke test uses it to exercise the code).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -47,12 +46,11 @@ def llama_like(layers: int, d_model: int, d_ff: int) -> dict[str, tuple[int, int
 def owner_share(shapes: dict[str, tuple[int, int]], devices: int, device: int = 0) -> dict[str, tuple[int, int]]:
     """The matrices ``device`` of ``devices`` owns under whole-leaf ownership."""
     from treeopt._sharding.ownership import call_names, owners
-    from treeopt._sharding.whole_leaf import intercepted
+    from treeopt._sharding.whole_leaf import collected
 
     tx = optax.contrib.muon(1e-3)
     params = {name: jax.ShapeDtypeStruct(shape, jnp.float32) for name, shape in shapes.items()}
-    found: list[Any] = []
-    with intercepted(lambda call: found.append(call) or call.leaf):
+    with collected() as found:
         jax.eval_shape(tx.update, params, jax.eval_shape(tx.init, params), params)
     names = call_names(found, params)
     return {name: shapes[name] for name, where in zip(names, owners(found, devices), strict=True) if device in where}

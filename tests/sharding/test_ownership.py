@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 import treeopt
 from benchmarks import _hlo
 from treeopt._sharding.ownership import owners, plan
-from treeopt._sharding.whole_leaf import intercepted
+from treeopt._sharding.whole_leaf import collected
 from treeopt.partitioning import init_sharded, named_shardings, optimizer_shardings
 
 AXIS_TYPES = {"auto": AxisType.Auto, "explicit": AxisType.Explicit}
@@ -280,8 +280,7 @@ def test_owners_balance_a_model_of_mixed_shapes():
         shapes |= {f"{layer}/mlp_in": (128, 512), f"{layer}/mlp_out": (512, 128)}
     params = {name: jnp.ones(shape) for name, shape in shapes.items()}
     tx = optax.contrib.muon(1e-2)
-    found = []
-    with intercepted(lambda call: found.append(call) or call.leaf):
+    with collected() as found:
         jax.eval_shape(tx.update, params, jax.eval_shape(tx.init, params), params)
     assert len(found) == len(shapes)
     work = [0.0] * 8

@@ -45,7 +45,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from treeopt._compat.optax_private import multi_steps_parts
 from treeopt._sharding.explicit import is_explicit
 from treeopt._sharding.specs import is_self_specified
-from treeopt._sharding.whole_leaf import Call, intercepted
+from treeopt._sharding.whole_leaf import Call, WholeLeafFunction, collected, intercepted
 from treeopt._tree.masks import name_matcher
 from treeopt._tree.paths import path_to_name
 
@@ -124,11 +124,10 @@ def owners(calls: Sequence[Call], devices: int) -> list[list[int]]:
 
     Example:
         >>> import jax.numpy as jnp, optax
-        >>> from treeopt._sharding.whole_leaf import intercepted
-        >>> found = []
+        >>> from treeopt._sharding.whole_leaf import collected
         >>> tx = optax.contrib.muon(1e-2)
         >>> params = {"a": jnp.ones((4, 4)), "b": jnp.ones((4, 4)), "c": jnp.ones((8, 8))}
-        >>> with intercepted(lambda call: found.append(call) or call.leaf):
+        >>> with collected() as found:
         ...     _ = tx.update(params, tx.init(params), params)
         >>> owners(found, devices=2)   # the dear (8, 8) on device 0, both (4, 4) on device 1
         [[1], [1], [0]]
@@ -152,7 +151,7 @@ class OwnedLeaf:
 
     Attributes:
         param: the parameter's name (``None`` where it could not be told).
-        what: the whole-leaf computation, e.g. ``"Muon's Newton-Schulz orthogonalization"``.
+        entry: the whole-leaf computation (:data:`treeopt._sharding.whole_leaf.WHOLE_LEAF`).
         matrices: how many independent matrices it holds (a stacked leaf's layers).
         shape: each matrix's ``(m, n)``, ``m <= n``.
         batch_axes: the param's axes that hold its matrices side by side.
@@ -160,22 +159,28 @@ class OwnedLeaf:
             empty where the computation is not owned (``owned=`` said so).
 
     Example:
-        >>> OwnedLeaf("dense/kernel", "Muon's Newton-Schulz orthogonalization", 1, (64, 128), (), (3,)).cost
-        524288.0
+        >>> from treeopt._sharding.whole_leaf import MUON_NEWTON_SCHULZ
+        >>> leaf = OwnedLeaf("dense/kernel", MUON_NEWTON_SCHULZ, 1, (64, 128), (), (3,))
+        >>> leaf.what, leaf.cost
+        ("Muon's Newton-Schulz orthogonalization", 524288.0)
     """
 
     param: str | None
-    what: str
+    entry: WholeLeafFunction
     matrices: int
     shape: tuple[int, int]
     batch_axes: tuple[int, ...]
     owners: tuple[int, ...]
 
     @property
+    def what(self) -> str:
+        """What the computation is, for reports."""
+        return self.entry.what
+
+    @property
     def cost(self) -> float:
-        """The work of one matrix, as ownership weighs it: ``max(m, n) * min(m, n) ** 2``."""
-        m, n = self.shape
-        return float(max(m, n) * min(m, n) ** 2)
+        """The work of one matrix, as ownership weighs it (:meth:`WholeLeafFunction.cost`)."""
+        return self.entry.cost(*self.shape)
 
 
 def whole_leaves(
@@ -204,14 +209,8 @@ def whole_leaves(
     state = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(tuple(x.shape), x.dtype), opt_state, is_leaf=is_self_specified
     )
-    calls: list[Call] = []
-
-    def record(call: Call) -> Any:
-        calls.append(call)
-        return call.leaf
-
     try:
-        with intercepted(record):
+        with collected() as calls:
             jax.eval_shape(lambda g, s: tx.update(g, s, g), dict(avals), state)
     except Exception:  # an update that needs more than shapes (value=, ...): nothing found
         return []
@@ -222,7 +221,7 @@ def whole_leaves(
     for i, (call, name) in enumerate(zip(calls, names, strict=True)):
         k, m, n = call.matrix_shape()
         batch = call.axes()[0]
-        out.append(OwnedLeaf(name, call.entry.what, k, (m, n), batch, tuple(assigned.get(i, ()))))
+        out.append(OwnedLeaf(name, call.entry, k, (m, n), batch, tuple(assigned.get(i, ()))))
     return out
 
 
@@ -235,10 +234,10 @@ def call_names(calls: Sequence[Call], grads: Any) -> list[str | None]:
 
     Example:
         >>> import jax.numpy as jnp, optax
-        >>> from treeopt._sharding.whole_leaf import intercepted
-        >>> found, tx = [], optax.contrib.muon(1e-2)
+        >>> from treeopt._sharding.whole_leaf import collected
+        >>> tx = optax.contrib.muon(1e-2)
         >>> grads = {"dense/kernel": jnp.ones((4, 8)), "dense/bias": jnp.ones(8), "out/kernel": jnp.ones((8, 2))}
-        >>> with intercepted(lambda call: found.append(call) or call.leaf):
+        >>> with collected() as found:
         ...     _ = tx.update(grads, tx.init(grads), grads)
         >>> call_names(found, grads)
         ['dense/kernel', 'out/kernel']
@@ -518,13 +517,7 @@ def owned_update(
     if mesh is None:
         return tx.update(grads, state, params, **extra)
     tx = _with_owned_inner(tx, owned)
-    calls: list[Call] = []
-
-    def record(call: Call) -> Any:
-        calls.append(call)
-        return call.leaf
-
-    with intercepted(record):
+    with collected() as calls:
         tx.update(grads, state, params, **extra)
     names = call_names(calls, grads) if owned is not None else [None] * len(calls)
     chosen = [i for i, name in enumerate(names) if owns(owned, name)]

@@ -52,7 +52,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-__all__ = ["WHOLE_LEAF", "Call", "WholeLeafFunction", "intercepted"]
+__all__ = ["WHOLE_LEAF", "Call", "WholeLeafFunction", "collected", "intercepted"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -285,3 +285,26 @@ def intercepted(handler: Callable[[Call], Any]) -> Iterator[None]:
                     del _INSTALLED[entry]
                     original = entry.original()
                     setattr(_module(entry.module), entry.name, original)
+
+
+@contextlib.contextmanager
+def collected() -> Iterator[list[Call]]:
+    """Within the block, every call of a function of :data:`WHOLE_LEAF` is appended to the list it yields and
+    returns its leaf unchanged: an evaluation that only finds the calls (its results are discarded).
+
+    Example:
+        >>> import jax.numpy as jnp, optax
+        >>> tx, params = optax.contrib.muon(1e-2), {"w": jnp.ones((4, 8)), "b": jnp.ones(8)}
+        >>> with collected() as calls:
+        ...     _ = tx.update(params, tx.init(params), params)
+        >>> [call.leaf.shape for call in calls]
+        [(4, 8)]
+    """
+    calls: list[Call] = []
+
+    def record(call: Call) -> Any:
+        calls.append(call)
+        return call.leaf
+
+    with intercepted(record):
+        yield calls
