@@ -1,20 +1,4 @@
-"""Orbax checkpoints of an Optimizer (and its params): one directory, or numbered steps.
-
-:func:`save` / :func:`restore` for one directory and :class:`CheckpointManager`
-for numbered steps (``max_to_keep``, latest step), built on orbax's own
-``CheckpointManager`` / ``StandardSave``. A save is atomic: a save killed half-way
-leaves the previous checkpoint as the latest; a forced overwrite writes the new
-checkpoint completely before the old one is moved aside; steps dropped by
-``max_to_keep`` are renamed away before they are deleted. A checkpoint holds an
-``optimizer`` item (the state dict) and optionally a ``params`` item (``{name:
-array}``, the names of :func:`treeopt.leaf_names`), each readable with plain
-orbax, and checksums of both in the step's orbax custom metadata. Restore into
-an abstract target from ``jax.eval_shape`` and onto shardings.
-
-Errors are :class:`treeopt.errors.CheckpointError` (damaged or incomplete
-checkpoints) and :class:`treeopt.errors.StateDictError` (another model's).
-See ``docs/serialization.md``.
-"""
+"""Orbax checkpoints of an Optimizer: save, restore and CheckpointManager (its face is ``treeopt.checkpoint``)."""
 
 from __future__ import annotations
 
