@@ -77,6 +77,13 @@ def run(axis_type, master_dtype=None, param_dtype=jnp.float32):
     return mesh, params, opt, state_sh
 
 
+def zero_adam(axis_type):
+    """A mesh of ``axis_type``, the params on it, and Adam's state ZeRO-split over "data"."""
+    mesh = make_mesh(axis_type)
+    params = make_params(mesh)
+    return mesh, params, init_sharded(treeopt.Optimizer(optax.adam(1e-2)), params, mesh, SPECS, shard_state_over="data")
+
+
 def assert_shardings(tree, shardings):
     for leaf, sharding in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings), strict=True):
         assert leaf.sharding.is_equivalent_to(sharding, leaf.ndim), (leaf.sharding, sharding)
@@ -115,9 +122,7 @@ def test_both_axis_types_give_the_same_numbers(master):
 
 
 def test_eager_update_under_explicit_axes_keeps_param_shardings():
-    mesh = make_mesh(AxisType.Explicit)
-    params = make_params(mesh)
-    opt = init_sharded(treeopt.Optimizer(optax.adam(1e-2)), params, mesh, SPECS, shard_state_over="data")
+    mesh, params, opt = zero_adam(AxisType.Explicit)
     with jax.set_mesh(mesh):
         grads = jax.grad(loss_fn)(params, *batch(mesh, 0))
     new = opt.update(grads, params)  # eagerly, outside the mesh context
@@ -143,9 +148,7 @@ def test_checkpoint_round_trip_and_resume(axis_type, tmp_path):
 
 
 def test_updates_come_back_in_the_grads_layout_and_apply_to_the_params():
-    mesh = make_mesh(AxisType.Explicit)
-    params = make_params(mesh)
-    opt = init_sharded(treeopt.Optimizer(optax.adam(1e-2)), params, mesh, SPECS, shard_state_over="data")
+    mesh, params, opt = zero_adam(AxisType.Explicit)
     with jax.set_mesh(mesh):
         grads = jax.grad(loss_fn)(params, *batch(mesh, 0))
         updates = jax.jit(lambda g, p, o: o.update(g, p, apply_updates=False))(grads, params, opt)
@@ -181,9 +184,7 @@ def test_a_row_split_kernel_under_zero_steps_as_unsharded():
 
 
 def test_an_eager_update_on_auto_axes_puts_the_params_back_on_their_shardings():
-    mesh = make_mesh(AxisType.Auto)
-    params = make_params(mesh)
-    opt = init_sharded(treeopt.Optimizer(optax.adam(1e-2)), params, mesh, SPECS, shard_state_over="data")
+    mesh, params, opt = zero_adam(AxisType.Auto)
     grads = jax.jit(jax.grad(loss_fn))(params, *batch(mesh, 0))
     new = opt.update(grads, params)
     assert_shardings(new, named_shardings(SPECS, mesh))  # not ZeRO's data axis

@@ -240,27 +240,34 @@ def test_kahan_moves_a_float8_param_by_the_sum_of_updates_far_below_its_step(dty
     assert added > gap and np.all(np.abs(moved - added) <= 2 * gap), (moved[:4], added, gap)
 
 
+def float8_start(dtype):
+    """256 float8 params between 1.0 and 1.5, where a step of the param is a sixteenth of it or more."""
+    return {"w": (1.0 + 0.5 * jax.random.uniform(jax.random.key(3), (256,))).astype(dtype)}
+
+
+def adam_on_a_constant_gradient(start, learning_rate, steps=1000, **option):
+    """``steps`` jitted steps of Adam against a gradient of ones: ``(params, optimizer)``."""
+    grads = jax.tree.map(jnp.ones_like, start)
+    opt = treeopt.Optimizer(optax.adam(learning_rate), **option).init(start)
+    params, step = start, jax.jit(lambda p, o: (o.update(grads, p), o))
+    for _ in range(steps):
+        params, opt = step(params, opt)
+    return params, opt
+
+
 @pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2])
 def test_kahan_moves_float8_params_at_adam_1e4_about_as_far_as_master_weights(dtype):
     # Near 1.0 a residue of up to half an e4m3fn step (0.0625) held in bfloat16 has steps of 2.4e-4:
     # Adam's updates of 1e-4 rounded away there, and the params never moved.
-    start = {"w": (1.0 + 0.5 * jax.random.uniform(jax.random.key(3), (256,))).astype(dtype)}
-    grads = {"w": jnp.ones((256,), dtype)}
-
-    def moved(**option):
-        opt = treeopt.Optimizer(optax.adam(1e-4), **option).init(start)
-        params, step = start, jax.jit(lambda p, o: (o.update(grads, p), o))
-        for _ in range(1000):
-            params, opt = step(params, opt)
-        return float(jnp.mean(jnp.abs(params["w"].astype(F32) - start["w"].astype(F32)))), opt
-
+    start = float8_start(dtype)
+    params, opt = adam_on_a_constant_gradient(start, 1e-4, param_rounding="kahan")
+    kahan = float(jnp.mean(jnp.abs(params["w"].astype(F32) - start["w"].astype(F32))))
     # Where master weights take the params after 1000 of Adam's steps of 1e-4 against a constant
     # gradient: 0.1 down, in float32, rounded into the params' dtype (what they give on current JAX;
     # at JAX 0.7.1 XLA's float8 conversions let them lose steps).
     masters = float(
         jnp.mean(jnp.abs((start["w"].astype(F32) - 0.1).astype(dtype).astype(F32) - start["w"].astype(F32)))
     )
-    kahan, opt = moved(param_rounding="kahan")
     assert masters > 0 and kahan >= 0.5 * masters, (kahan, masters)
     assert opt.rounding["compensation"]["w"].dtype == F32
 
@@ -269,18 +276,9 @@ def test_kahan_moves_float8_params_at_adam_1e4_about_as_far_as_master_weights(dt
 def test_a_float8_param_plus_its_compensation_follows_the_master_copy(dtype):
     # Adam at 1e-5 near 1.0: the residues' float32 buffer keeps every update (a float16 one strayed
     # from the masters by 2.6 % of the distance travelled, a bfloat16 one by 61 %).
-    start = {"w": (1.0 + 0.5 * jax.random.uniform(jax.random.key(3), (256,))).astype(dtype)}
-    grads = {"w": jnp.ones((256,), dtype)}
-
-    def run(**option):
-        opt = treeopt.Optimizer(optax.adam(1e-5), **option).init(start)
-        params, step = start, jax.jit(lambda p, o: (o.update(grads, p), o))
-        for _ in range(1000):
-            params, opt = step(params, opt)
-        return params, opt
-
-    _, masters = run(master_dtype=F32)
-    params, kahan = run(param_rounding="kahan")
+    start = float8_start(dtype)
+    _, masters = adam_on_a_constant_gradient(start, 1e-5, master_dtype=F32)
+    params, kahan = adam_on_a_constant_gradient(start, 1e-5, param_rounding="kahan")
     held = params["w"].astype(F32) + kahan.rounding["compensation"]["w"]
     travelled = float(jnp.abs(masters.master["w"] - start["w"].astype(F32)).mean())
     assert float(jnp.abs(held - masters.master["w"]).max()) <= 0.005 * travelled
