@@ -40,8 +40,15 @@ import flax
 import jax
 import optax
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
-from treeopt.internal import hyperparameter_attribute, placed_like, placements, sets_hyperparameter
+from treeopt.internal import (
+    flat_param_specs,
+    hyperparameter_attribute,
+    placed_like,
+    placements,
+    sets_hyperparameter,
+)
 from treeopt.optimizer import Optimizer as CoreOptimizer
 from treeopt.typing import OptState, ParamSpecs, StateDict, Updates
 
@@ -49,7 +56,7 @@ __all__ = ["ModelAndOptimizer", "Optimizer"]
 
 M = TypeVar("M")
 
-_OWN = frozenset({"treeopt", "tx", "wrt", "graph", "model", "placements"})
+_OWN = frozenset({"treeopt", "tx", "wrt", "graph", "model", "placements", "optimizer_sharding"})
 # One compiled program eagerly, not an op per leaf; inside a jit it is inlined (the same arithmetic).
 _apply_updates = jax.jit(optax.apply_updates)
 
@@ -98,7 +105,8 @@ class Optimizer(nnx.Pytree, Generic[M]):
         **kwargs: Any,
     ):
         _refuse_swapped(model, tx)
-        params = _as_pure(_state(model, wrt, graph=graph))
+        variables = _state(model, wrt, graph=graph)
+        params = _as_pure(variables)
         if not jax.tree.leaves(params):
             raise ValueError(_empty_selection_message(model, wrt, graph))
         self.tx = tx
@@ -107,7 +115,11 @@ class Optimizer(nnx.Pytree, Generic[M]):
         # Where the trained variables live: under auto mesh axes a traced update cannot read it, and the
         # new values would take the layout of the (ZeRO-split) state instead.
         self.placements = placements(params)
-        self.treeopt = HeldOptimizer(CoreOptimizer(tx, **kwargs).init(params))
+        core = CoreOptimizer(tx, **kwargs).init(params)
+        self.optimizer_sharding = _optimizer_sharding(variables, core)
+        if self.optimizer_sharding:
+            core = _laid_out(core, self.optimizer_sharding, params, self.placements)
+        self.treeopt = HeldOptimizer(core)
 
     # -- what nnx.Optimizer has ------------------------------------------------------
 
@@ -284,7 +296,10 @@ class Optimizer(nnx.Pytree, Generic[M]):
         """
         if isinstance(param_specs, nnx.State) and _holds_variables(param_specs):
             param_specs = _as_pure(nnx.filter_state(param_specs, self.wrt))
-        return self._core().partition_specs(param_specs, shard_state_over=shard_state_over, mesh=mesh)
+        core = self._core()
+        if self.optimizer_sharding:  # the state's own layout, where a Variable names one
+            param_specs = {**flat_param_specs(param_specs, core.layout), **dict(self.optimizer_sharding)}
+        return core.partition_specs(param_specs, shard_state_over=shard_state_over, mesh=mesh)
 
     # -- hyperparameters as attributes, as treeopt.Optimizer reads them ---------------
 
@@ -426,6 +441,50 @@ class ModelAndOptimizer(Optimizer[M]):
             Array([-0.1], dtype=float32)
         """
         return super().update(self.model, grads, **kwargs)
+
+
+def _optimizer_sharding(variables: Any, core: CoreOptimizer) -> tuple[tuple[str, Any], ...]:
+    """``((name, spec), ...)`` of the trained Variables whose ``optimizer_sharding`` metadata lays out their state."""
+    by_path = {tuple(path): variable for path, variable in nnx.to_flat_state(variables)}
+    paths = core.layout.nnx_paths or ()
+    out = []
+    for name, path in zip(core.layout.names, paths, strict=True):
+        variable = by_path.get(tuple(path))
+        metadata = variable.get_metadata() if isinstance(variable, nnx.Variable) else {}
+        spec = metadata.get("optimizer_sharding")
+        if spec is not None:
+            out.append((name, spec if isinstance(spec, PartitionSpec) else PartitionSpec(*spec)))
+    return tuple(out)
+
+
+def _laid_out(
+    core: CoreOptimizer, specs: tuple[tuple[str, Any], ...], params: Any, placed: tuple[Any, ...]
+) -> CoreOptimizer:
+    """``core`` with the state of each named param on its ``optimizer_sharding``, as ``nnx.Optimizer`` lays it out.
+
+    The others' state keeps its param's layout. The mesh is the params' (or
+    the one set with ``jax.set_mesh``); on one device there is nothing to lay out.
+    """
+    meshes = [sharding.mesh for sharding in placed if sharding is not None]
+    mesh = meshes[0] if meshes else _context_mesh()
+    if mesh is None:
+        return core
+    leaves = jax.tree.leaves(params)
+    own = {name: _spec_of(leaves[i]) for name, i in zip(core.layout.names, core.layout.index, strict=True)}
+    state_specs = core.partition_specs({**own, **dict(specs)}, mesh=mesh)
+    return jax.device_put(core, jax.tree.map(lambda spec: NamedSharding(mesh, spec), state_specs))
+
+
+def _spec_of(value: Any) -> PartitionSpec:
+    sharding = getattr(value, "sharding", None)
+    return sharding.spec if isinstance(sharding, NamedSharding) else PartitionSpec()
+
+
+def _context_mesh() -> Any:
+    """The concrete mesh set with ``jax.set_mesh``, or ``None``."""
+    get_mesh = getattr(jax.sharding, "get_mesh", None)
+    mesh = get_mesh() if get_mesh is not None else None
+    return mesh if mesh is not None and not getattr(mesh, "empty", True) and mesh.size > 1 else None
 
 
 def _refuse_swapped(model: Any, tx: Any) -> None:

@@ -36,6 +36,7 @@ from treeopt._sharding.abstract import eval_shape
 from treeopt._sharding.optimizer_specs import checked_param_specs, whole_leaves_of
 from treeopt._sharding.specs import check_axes, is_spec
 from treeopt._sharding.zero import ZeroLeaf, ZeroReport, zero_plan
+from treeopt._step.viewed import over_names
 from treeopt.typing import Params, ParamSpecs
 
 __all__ = [
@@ -276,7 +277,7 @@ def zero_report(
     """
     flat = checked_param_specs(_mesh_specs(param_specs, rules), opt.layout, mesh)
     parts = state_parts(opt).by_part()
-    whole = whole_leaves_of(opt.tx, parts["opt_state"], opt.layout, mesh, opt.owned)
+    whole = whole_leaves_of(over_names(opt.tx, opt.layout), parts["opt_state"], opt.layout, mesh, opt.owned)
     return zero_plan(parts, opt.layout, flat, shard_state_over, mesh, whole)[1]
 
 

@@ -220,7 +220,7 @@ def test_value_fn_of_a_module_gets_an_nnx_state_as_nnx_optimizer_gives_it():
             np.testing.assert_allclose(losses, nnx_losses, **EAGER_TOL)
 
 
-def test_grad_shaped_like_params_is_matched_by_name():
+def test_grad_shaped_like_params_reaches_tx_in_the_params_structure():
     seen = {}
 
     def update(updates, state, params=None, *, grad, **extra):
@@ -231,8 +231,13 @@ def test_grad_shaped_like_params_is_matched_by_name():
     opt = treeopt.Optimizer(tx).init(PARAMS)
     grads = jax.grad(objective)(PARAMS)
     opt.update(grads, PARAMS, grad=grads)
-    assert sorted(seen["grad"]) == sorted(opt.paths)
-    assert seen["grad"]["encoder/w"].shape == (2, 2) and seen["grad"]["head/1"].shape == ()
+    # As tx sees the grads and params: the user's structure, whatever treeopt keys its state by.
+    assert jax.tree.structure(seen["grad"]) == jax.tree.structure(grads)
+    assert treeopt.leaf_names(seen["grad"]) == treeopt.leaf_names(grads)
+    assert seen["grad"]["encoder"]["w"].shape == (2, 2) and seen["grad"]["head"][1].shape == ()
+    # A grad= given by name (the trained entries only) is matched by name and handed over the same way.
+    opt.update(grads, PARAMS, grad=dict(zip(treeopt.leaf_names(grads), jax.tree.leaves(grads), strict=True)))
+    assert jax.tree.structure(seen["grad"]) == jax.tree.structure(grads)
 
 
 def test_zoom_linesearch_on_its_own_and_backtracking_take_value_fn():

@@ -60,6 +60,7 @@ RUNNABLE_PAGES = [
     "mixed-precision.md",
     "low-bit-state.md",
     "t5x.md",
+    "migration/from-optax.md",
     "migration/from-flax-optim.md",
     "migration/from-treex.md",
     "migration/from-nnx.md",

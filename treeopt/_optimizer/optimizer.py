@@ -27,6 +27,7 @@ from treeopt._step.options import (
 from treeopt._step.precision import Precision
 from treeopt._step.step_io import strong
 from treeopt._step.traced import flat_step, stable_dtypes
+from treeopt._step.viewed import over_names
 from treeopt._tree.layout import ParamLayout, Wrt, is_lookahead
 from treeopt._update.donated import donated, refuse_donated
 from treeopt._update.inputs import FlatInputs, flat_inputs
@@ -149,10 +150,8 @@ class Optimizer:
     tx: optax.GradientTransformation
     """The optax transformation the optimizer applies (static: part of the jit cache key).
 
-    It is the object given, except for an ``optax.MultiSteps``, whose
-    ``gradient_transformation()`` is kept.
-
-    Example: ``opt.tx.update(grads, opt.opt_state, params)`` is optax's own step.
+    It is the object given (an ``optax.MultiSteps``: its ``gradient_transformation()``), and sees the
+    params in the structure given to ``init``; what it returns is keyed by name (:attr:`opt_state`).
     """
     wrt: Wrt
     """Which leaves are trained, as given to the constructor (static)."""
@@ -176,7 +175,7 @@ class Optimizer:
     opt_state: optax.OptState | None
     """The optax state (leaves), ``None`` before ``init``.
 
-    It is ``tx.init`` of the trained params as a flat dict keyed by parameter
+    It is ``tx.init`` of the trained params with every params-shaped part keyed by
     name, so per-parameter entries read ``opt.opt_state[0].mu["dense/kernel"]``
     for ``optax.adam``. Read it freely; to change it, use ``load_state_dict`` or
     build a new optimizer, so that the step and the names stay consistent.
@@ -303,10 +302,11 @@ class Optimizer:
         lookahead = is_lookahead(params)
         layout = ParamLayout.of(params.fast if lookahead else params, self.wrt)
         flat, precision_state = init_inputs(layout, params, lookahead, self.precision)
-        opt_state = stable_dtypes(self.tx, jax.tree.map(strong, self.tx.init(flat)), flat, lookahead)
+        tx = over_names(self.tx, layout)
+        opt_state = stable_dtypes(tx, jax.tree.map(strong, tx.init(flat)), flat, lookahead)
         if self.state_bits is not None:
             traced = any(is_tracer(x) for x in jax.tree.leaves(flat.fast if lookahead else flat))
-            constants = constant_leaves(self.tx.init, flat) if traced else None
+            constants = constant_leaves(tx.init, flat) if traced else None
             opt_state = quantized_state(opt_state, layout, self.state_bits, constants)
         return self._with(
             _layout=layout,
@@ -391,7 +391,7 @@ class Optimizer:
         """``flat_step`` on checked inputs; a donated optimizer is named only once JAX refused it."""
         try:
             return flat_step(
-                self.tx,
+                over_names(self.tx, self._require_layout()),
                 self.step,
                 self.opt_state,
                 inputs.grads,
@@ -561,7 +561,7 @@ class Optimizer:
         layout = self._require_layout()
         specs = optimizer_state_specs(
             state_parts(self).by_part(), layout, param_specs, shard_state_over=shard_state_over, mesh=mesh,
-            tx=self.tx, owned=self.owned,
+            tx=over_names(self.tx, layout), owned=self.owned,
         )  # fmt: skip
         # The parts hold the state's leaves in its order (the precision's views included): so do their specs.
         leaves = [leaf for tree in specs.values() for leaf in jax.tree.leaves(tree)]

@@ -111,6 +111,9 @@ def flat_param_specs(
             "{'dense': {'kernel': P(None, 'model')}}). To read them from sharded params, pass "
             "treeopt.partitioning.param_specs_of(params); init_sharded reads them itself when given None."
         )
+    single = layout.treedef.num_nodes == 1 and layout.treedef.num_leaves == 1
+    if isinstance(param_specs, PartitionSpec) and single:  # params that are one bare array: its spec
+        return _checked_lengths({layout.names[0]: param_specs} if layout.names else {}, layout, what)
     if isinstance(param_specs, PartitionSpec):
         raise TypeError(
             f"{what} must be a tree of PartitionSpecs shaped like params "
@@ -134,6 +137,11 @@ def flat_param_specs(
             unexpected=unexpected,
             hint=f"Expected a tree shaped like params, with a PartitionSpec at each of {list(layout.names)}.",
         )
+    return _checked_lengths(given, layout, what)
+
+
+def _checked_lengths(given: dict[str, Any], layout: ParamLayout, what: str) -> dict[str, PartitionSpec]:
+    """``{name: spec}`` of the trained params (``None`` read as replicated), none longer than its param's rank."""
     out = {}
     too_long = []
     for name, (shape, _) in zip(layout.names, layout.avals, strict=True):

@@ -30,7 +30,14 @@ import numpy as np
 import optax
 
 from treeopt._tree.masks import name_matcher
-from treeopt._tree.nnx_graph import filter_predicate, is_nnx_filter, is_nnx_graph, is_nnx_param, write_into
+from treeopt._tree.nnx_graph import (
+    filter_predicate,
+    is_nnx_filter,
+    is_nnx_graph,
+    is_nnx_object,
+    is_nnx_param,
+    write_into,
+)
 from treeopt._tree.paths import LeafInfo, check_unique, leaf_infos, leaf_names
 from treeopt.errors import TreeMismatchError, describe
 from treeopt.typing import FlatParams, Params, Updates
@@ -164,7 +171,9 @@ class ParamLayout:
         "all_names",
         "avals",
         "index",
+        "masked_index",
         "names",
+        "nnx_paths",
         "treedef",
     )
 
@@ -176,6 +185,8 @@ class ParamLayout:
         avals: tuple[tuple[tuple[int, ...], np.dtype], ...],
         all_names: tuple[str, ...],
         variable_slots: tuple[int, ...] | None = None,
+        nnx_paths: tuple[tuple[Any, ...], ...] | None = None,
+        masked_index: tuple[int, ...] = (),
     ):
         self.treedef = treedef
         self.index = index
@@ -189,6 +200,10 @@ class ParamLayout:
         self._expected = [(tuple(shape), np.dtype(dtype)) for shape, dtype in avals]
         # Where each trainable leaf's nnx Variable sits, for writing into a Module in place.
         self._slots = variable_slots
+        # The nnx paths of the trained leaves of an nnx Module or State: ``tx`` sees them as an nnx.State.
+        self.nnx_paths = nnx_paths
+        # The untrained array leaves: tx sees them as optax.MaskedNode (the other untrained leaves as None).
+        self.masked_index = masked_index
         # Grads of another structure (nnx.grad's State for a Module) matched by name, per treedef.
         self._by_treedef: dict[Any, dict[str, int]] = {}
         # A Module whose static attributes changed (model.eval()), per treedef: positions and slots.
@@ -228,7 +243,13 @@ class ParamLayout:
             raise ValueError(_empty_selection_message(wrt, params, infos, leaves))
         avals = tuple((tuple(leaves[i].shape), np.dtype(leaves[i].dtype)) for i in index)
         slots = _variable_slots(infos, index)
-        return cls(treedef, index, tuple(names[i] for i in index), avals, tuple(names), slots)
+        nnx = is_nnx_object(params) or any(infos[i].variable is not None for i in index)
+        paths = tuple(infos[i].path for i in index) if nnx else None
+        trained = set(index)
+        masked = tuple(
+            i for i, leaf in enumerate(leaves) if i not in trained and hasattr(leaf, "shape") and hasattr(leaf, "dtype")
+        )
+        return cls(treedef, index, tuple(names[i] for i in index), avals, tuple(names), slots, paths, masked)
 
     def __eq__(self, other: object) -> bool:
         if self is other:
@@ -247,7 +268,10 @@ class ParamLayout:
 
     def __reduce__(self) -> tuple[Any, ...]:
         # The per-structure caches are rebuilt on demand, not copied.
-        return ParamLayout, (self.treedef, self.index, self.names, self.avals, self.all_names, self._slots)
+        return ParamLayout, (
+            self.treedef, self.index, self.names, self.avals, self.all_names, self._slots, self.nnx_paths,
+            self.masked_index,
+        )
 
     def __copy__(self) -> ParamLayout:
         return self

@@ -19,6 +19,7 @@ from treeopt._step.step_io import ARRAYS
 from treeopt._tree.layout import ParamLayout
 from treeopt._tree.nnx_graph import from_flat_state, is_nnx_graph
 from treeopt._tree.paths import leaf_infos, leaf_names
+from treeopt._tree.view import view_of
 
 __all__ = ["as_optax_extra_args"]
 
@@ -64,8 +65,10 @@ def _shaped_like_params(key: str, value: Any, layout: ParamLayout, structures: s
         return False
     if treedef.num_nodes == 1:
         # Params that are one bare array: a leaf of its shape is per-parameter, but
-        # never the objective's value.
-        return key != "value" and layout.avals == ((tuple(np.shape(value)), np.dtype(value.dtype)),)
+        # never the objective's value, nor a function (value_fn, obj_fn) or another non-array.
+        if key == "value" or not hasattr(value, "shape") or not hasattr(value, "dtype"):
+            return False
+        return layout.avals == ((tuple(np.shape(value)), np.dtype(value.dtype)),)
     return True
 
 
@@ -100,7 +103,7 @@ class _InUserStructure:
     eagerly it is part of the compile key, never a traced argument.
     """
 
-    __slots__ = ("arrays", "fixed", "fn", "index", "names", "treedef")
+    __slots__ = ("arrays", "fixed", "fn", "index", "names", "treedef", "view")
 
     def __init__(
         self,
@@ -110,9 +113,10 @@ class _InUserStructure:
         index: tuple[int, ...],
         arrays: tuple[Any, ...],
         fixed: tuple[tuple[int, Any], ...],
+        view: Any = None,
     ):
         self.fn, self.treedef, self.names, self.index = fn, treedef, names, index
-        self.arrays, self.fixed = arrays, fixed
+        self.arrays, self.fixed, self.view = arrays, fixed, view
 
     @classmethod
     def wrap(cls, fn: Callable[..., Any], layout: ParamLayout, params: Any) -> _InUserStructure:
@@ -133,24 +137,31 @@ class _InUserStructure:
             for i, (leaf, keep) in enumerate(zip(leaves, is_array, strict=True))
             if not keep and i not in trained
         )
-        return cls(fn, treedef, layout.names, index, arrays, fixed)
+        # What tx hands it: the trained leaves in the params' structure, the others None (treeopt._tree.view).
+        view = view_of(layout).treedef
+        return cls(fn, treedef, layout.names, index, arrays, fixed, view)
 
     def __call__(self, params: Any, *args: Any, **kwargs: Any) -> Any:
+        trained = None
         if (
             isinstance(params, Mapping)
             and len(params) == len(self.names)
             and all(name in params for name in self.names)
         ):
+            trained = [params[name] for name in self.names]
+        elif self.view is not None and jax.tree.structure(params) == self.view:
+            trained = jax.tree.leaves(params)  # the view's leaves are the trained ones, in the names' order
+        if trained is not None:
             leaves = list(self.arrays)
             for i, leaf in self.fixed:
                 leaves[i] = leaf
-            for name, i in zip(self.names, self.index, strict=True):
-                leaves[i] = params[name]
+            for i, leaf in zip(self.index, trained, strict=True):
+                leaves[i] = leaf
             params = self.treedef.unflatten(leaves)
         return self.fn(params, *args, **kwargs)
 
 
 # The untrained array leaves are its leaves; the function and where the params' leaves go are static data.
 jax.tree_util.register_dataclass(
-    _InUserStructure, data_fields=["arrays"], meta_fields=["fn", "treedef", "names", "index", "fixed"]
+    _InUserStructure, data_fields=["arrays"], meta_fields=["fn", "treedef", "names", "index", "fixed", "view"]
 )
