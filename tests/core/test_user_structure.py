@@ -320,3 +320,25 @@ def test_a_single_partition_spec_for_bare_array_params() -> None:
     with pytest.raises(TypeError, match="single"):
         opt2 = treeopt.Optimizer(optax.adam(1e-3)).init({"w": params})
         opt2.partition_specs(P("data"))
+
+
+def test_whole_leaf_calls_are_named_in_the_order_tx_meets_the_params() -> None:
+    """Eleven layers of one shape: the view meets them 0, 1, 2, ..., 10, the flat dict's keys 0, 1, 10, 2, ..."""
+    from treeopt._sharding.ownership import call_names
+    from treeopt._sharding.whole_leaf import collected
+    from treeopt._step.viewed import over_names
+    from treeopt._tree.layout import ParamLayout
+    from treeopt._tree.view import order_seen_by
+
+    params = {"layers": [jnp.full((8, 4), float(i + 1)) for i in range(11)]}
+    layout = ParamLayout.of(params)
+    keys = jax.random.split(jax.random.key(1), 11)
+    flat = {f"layers/{i}": jax.random.normal(keys[i], (8, 4)) for i in range(11)}
+    tx = over_names(optax.contrib.muon(1e-2), layout)
+    with collected() as calls:
+        tx.update(flat, tx.init(flat), flat)
+    names = call_names(calls, flat, order_seen_by(tx))
+    assert sorted(names) == sorted(flat)
+    for call, name in zip(calls, names, strict=True):  # each call computes from its own param's gradient
+        ratio = np.asarray(call.leaf) / np.asarray(flat[name])
+        np.testing.assert_allclose(ratio, ratio.flat[0], rtol=1e-5)

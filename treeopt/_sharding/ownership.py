@@ -48,6 +48,7 @@ from treeopt._sharding.specs import is_self_specified
 from treeopt._sharding.whole_leaf import Call, WholeLeafFunction, collected, intercepted
 from treeopt._tree.masks import name_matcher
 from treeopt._tree.paths import path_to_name
+from treeopt._tree.view import order_seen_by
 
 OwnedRules = tuple[tuple[str, bool], ...]
 """``((glob, owned), ...)``: the first glob that matches a parameter's name decides; no match: owned."""
@@ -214,7 +215,7 @@ def whole_leaves(
             jax.eval_shape(lambda g, s: tx.update(g, s, g), dict(avals), state)
     except Exception:  # an update that needs more than shapes (value=, ...): nothing found
         return []
-    names = call_names(calls, dict(avals))
+    names = call_names(calls, dict(avals), order_seen_by(tx))
     chosen = [i for i, name in enumerate(names) if owns(owned, name)]
     assigned = dict(zip(chosen, owners([calls[i] for i in chosen], devices), strict=True))
     out = []
@@ -225,7 +226,7 @@ def whole_leaves(
     return out
 
 
-def call_names(calls: Sequence[Call], grads: Any) -> list[str | None]:
+def call_names(calls: Sequence[Call], grads: Any, order: Sequence[str] | None = None) -> list[str | None]:
     """The parameter each call belongs to, read from ``grads`` (what ``tx.update`` was given).
 
     optax maps a whole-leaf function over the leaves in tree order, so the
@@ -242,10 +243,13 @@ def call_names(calls: Sequence[Call], grads: Any) -> list[str | None]:
         >>> call_names(found, grads)
         ['dense/kernel', 'out/kernel']
     """
-    named = [
-        (path_to_name(path), tuple(jnp.shape(leaf)))
-        for path, leaf in jax.tree_util.tree_flatten_with_path(grads)[0]
-    ]
+    if order is not None:  # tx sees the params in the user's structure: its leaves come in that order
+        named = [(name, tuple(jnp.shape(grads[name]))) for name in order]
+    else:
+        named = [
+            (path_to_name(path), tuple(jnp.shape(leaf)))
+            for path, leaf in jax.tree_util.tree_flatten_with_path(grads)[0]
+        ]
     out: list[str | None] = []
     at = 0
     for call in calls:
@@ -519,7 +523,7 @@ def owned_update(
     tx = _with_owned_inner(tx, owned)
     with collected() as calls:
         tx.update(grads, state, params, **extra)
-    names = call_names(calls, grads) if owned is not None else [None] * len(calls)
+    names = call_names(calls, grads, order_seen_by(tx)) if owned is not None else [None] * len(calls)
     chosen = [i for i, name in enumerate(names) if owns(owned, name)]
     computed: dict[int, Any] = {}
     if chosen:
