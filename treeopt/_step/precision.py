@@ -57,7 +57,7 @@ import optax
 
 from treeopt._sharding.explicit import resharded_like
 from treeopt._sharding.ownership import owned_update
-from treeopt._step.rounding import stochastic_round
+from treeopt._step.rounding import is_float8, saturated, stochastic_round
 from treeopt._step.step_io import FlatStep, StepInputs, next_step
 
 __all__ = [
@@ -278,7 +278,9 @@ class MasterWeights(Precision):
     def written(
         self, wide: Mapping[str, Any], updates: Mapping[str, Any], dtypes: Mapping[str, Any], state: Any
     ) -> tuple[dict[str, Any], Any]:
-        new_master = optax.apply_updates(dict(wide), {name: updates[name] for name in wide})
+        new_master = applied(dict(wide), {name: updates[name] for name in wide})
+        # A float8 param's master stays within the param's range, so that the param turns when its grad does.
+        new_master = {name: saturated(m, dtypes[name]) for name, m in new_master.items()}
         new = {name: m.astype(dtypes[name]) for name, m in new_master.items()}
         return new, dataclasses.replace(state, master=new_master)
 
@@ -421,6 +423,8 @@ class Kahan(_Rounded):
         compensation, new = dict(state.compensation), {}
         for k, w in wide.items():
             total = updates[k] + compensation[k].astype(F32)  # what this step adds, and what the last one lost
+            if is_float8(dtypes[k]):  # what passes a float8's range is not carried over to the next step
+                total = saturated(w + total, dtypes[k]) - w
             new[k] = (w + total).astype(dtypes[k])
             compensation[k] = (total - (new[k].astype(F32) - w)).astype(compensation[k].dtype)
         return new, KahanState(compensation)
@@ -470,6 +474,25 @@ ROUNDINGS: dict[str, type[_Rounded]] = {"kahan": Kahan, "stochastic": Stochastic
 # -- the one step --------------------------------------------------------------------------------
 
 
+def applied(params: Any, updates: Any) -> Any:
+    """``optax.apply_updates(params, updates)``, with a float8 param saturating at its largest value.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> applied({"w": jnp.full(2, 440.0, jnp.float8_e5m2)}, {"w": jnp.full(2, 6e4, jnp.float32)})["w"].tolist()
+        [57344.0, 57344.0]
+    """
+    if not any(is_float8(p.dtype) for p in jax.tree.leaves(params) if hasattr(p, "dtype")):
+        return optax.apply_updates(params, updates)
+
+    def one(p: Any, u: Any) -> Any:
+        if p is None or not is_float8(p.dtype):
+            return optax.apply_updates(p, u)
+        return saturated(p.astype(F32) + jnp.asarray(u).astype(F32), p.dtype).astype(p.dtype)
+
+    return jax.tree.map(one, params, updates, is_leaf=lambda x: x is None)
+
+
 def precision_step(inputs: StepInputs, extra: Mapping[str, Any]) -> FlatStep:
     """``tx.update`` through the inputs' precision: the one step of every way a param is held.
 
@@ -485,7 +508,7 @@ def precision_step(inputs: StepInputs, extra: Mapping[str, Any]) -> FlatStep:
     precision, params, state = inputs.precision or AS_IS, inputs.params, inputs.precision_state
     if precision.option is None:
         updates, new_state = owned_update(inputs.tx, inputs.grads, inputs.opt_state, params, extra, owned=inputs.owned)
-        output = optax.apply_updates(params, updates) if inputs.apply_updates else updates
+        output = applied(params, updates) if inputs.apply_updates else updates
         return FlatStep(next_step(inputs.step), new_state, output, state)
     wide = precision.widened(state, params)
     dtypes = precision.narrow_dtypes(state, wide, params)
@@ -500,7 +523,7 @@ def precision_step(inputs: StepInputs, extra: Mapping[str, Any]) -> FlatStep:
     out = {}
     for k in inputs.grads:
         if k not in wide:
-            out[k] = optax.apply_updates(params[k], updates[k]) if inputs.apply_updates else updates[k]
+            out[k] = applied(params[k], updates[k]) if inputs.apply_updates else updates[k]
         elif inputs.apply_updates:
             out[k] = new[k]
         else:

@@ -23,9 +23,40 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["stochastic_round"]
+__all__ = ["is_float8", "saturated", "stochastic_round"]
 
 _F32 = jnp.dtype(jnp.float32)
+
+
+def is_float8(dtype: Any) -> bool:
+    """Whether ``dtype`` is a float8 dtype (e4m3fn, e5m2, ...).
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> is_float8(jnp.float8_e5m2), is_float8(jnp.bfloat16)
+        (True, False)
+    """
+    return bool(jnp.issubdtype(dtype, jnp.floating) and jnp.dtype(dtype).itemsize == 1)
+
+
+def saturated(x: jax.Array, dtype: Any) -> jax.Array:
+    """``x`` (wider) clipped to the finite range of ``dtype`` where that is a float8 dtype, else ``x``.
+
+    A float8 cannot hold what the step adds past its largest value:
+    float8_e4m3fn has no infinity and casts it to NaN, float8_e5m2 to an
+    infinity no later step comes back from. So a float8 param saturates, as
+    a cast with saturation does, and moves back as soon as its gradient turns.
+    Wider dtypes keep IEEE overflow.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> saturated(jnp.array([470.0, -1e4, 3.0]), jnp.float8_e4m3fn).tolist()
+        [448.0, -448.0, 3.0]
+    """
+    if not is_float8(dtype):
+        return x
+    top = float(jnp.finfo(dtype).max)
+    return jnp.clip(x, -top, top)
 
 
 def stochastic_round(x: jax.Array, dtype: Any, key: jax.Array) -> jax.Array:
@@ -51,6 +82,7 @@ def stochastic_round(x: jax.Array, dtype: Any, key: jax.Array) -> jax.Array:
     info = jnp.finfo(dtype)
     if not _has_inf(dtype):  # float8_e4m3fn and the like: no infinity to round beyond the largest value
         x = jnp.where(jnp.isfinite(x), jnp.clip(x, -float(info.max), float(info.max)), x)
+    x = jnp.where(jnp.isfinite(x), saturated(x, dtype), x)  # nor, for a float8, to round to its infinity
     nearest = x.astype(dtype)
     near32 = nearest.astype(_F32)
     other = _neighbour(nearest, x > near32)
