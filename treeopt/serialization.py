@@ -20,6 +20,8 @@ See ``docs/serialization.md``.
 
 from __future__ import annotations
 
+import copy
+
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -65,7 +67,7 @@ def _flax_from_state_dict(opt: Optimizer, state: Any) -> Optimizer:
             "is unknown. Pass `opt.init(params)`, or an abstract one from "
             "`jax.eval_shape(opt.init, params)`, as the target."
         )
-    return opt.load_state_dict(state, strict=True)
+    return copy.copy(opt).load_state_dict(state, strict=True)  # from_bytes leaves its target as it was
 
 
 flax.serialization.register_serialization_state(

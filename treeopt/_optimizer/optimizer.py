@@ -475,16 +475,15 @@ class Optimizer:
         return _state_dict.state_dict(state_parts(self))
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> Optimizer:
-        """A new optimizer like this one, with its state from ``state_dict`` (``self`` is unchanged).
+        """Loads ``state_dict`` into this optimizer, as ``update`` changes it, and returns it.
 
-        Leaves are matched by path (state field and parameter name), never by
-        position. ``strict=True`` raises ``treeopt.serialization.StateDictError``
-        listing every missing, unexpected and shape/dtype-mismatched path.
-        ``strict=False`` loads the paths that match, keeps this optimizer's values
-        for the others and emits a ``treeopt.serialization.StateDictWarning``
-        listing them (its ``.report`` holds them as data). Values are placed on
-        the shardings of this optimizer's leaves; ``self`` may be abstract
-        (``jax.eval_shape(opt.init, params)``).
+        So ``opt.load_state_dict(sd)`` (the ``torch.optim`` habit) and ``opt = opt.load_state_dict(sd)``
+        both work. Leaves are matched by path (state field and parameter name), never by position.
+        ``strict=True`` raises ``treeopt.serialization.StateDictError`` listing every missing, unexpected
+        and shape/dtype-mismatched path, and loads nothing. ``strict=False`` loads the paths that match,
+        keeps this optimizer's values for the others and emits a ``treeopt.serialization.StateDictWarning``
+        listing them (its ``.report`` holds them as data). Values are placed on the shardings of this
+        optimizer's leaves; ``self`` may be abstract (``jax.eval_shape(opt.init, params)``).
 
         Example:
             >>> import jax.numpy as jnp, optax, treeopt
@@ -492,13 +491,14 @@ class Optimizer:
             >>> opt.update({"w": jnp.ones(2)}, apply_updates=False)["w"].shape
             (2,)
             >>> restored = treeopt.Optimizer(optax.adam(1e-3)).init({"w": jnp.ones(2)})
-            >>> restored = restored.load_state_dict(opt.state_dict())
+            >>> _ = restored.load_state_dict(opt.state_dict())
             >>> int(restored.step)
             1
         """
-        return with_state_parts(
-            self, _state_dict.load_state_dict(state_parts(self), state_dict, strict=strict)
-        )
+        loaded = with_state_parts(self, _state_dict.load_state_dict(state_parts(self), state_dict, strict=strict))
+        for name in _DATA:
+            object.__setattr__(self, name, getattr(loaded, name))
+        return self
 
     # -- partitioning (partition_specs) --------------------------------------------
 
