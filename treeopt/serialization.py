@@ -21,7 +21,6 @@ See ``docs/serialization.md``.
 from __future__ import annotations
 
 import copy
-
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
