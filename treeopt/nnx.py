@@ -191,9 +191,12 @@ class Optimizer(nnx.Pytree, Generic[M]):
         params = _as_pure(_state(model, self.wrt, graph=self.graph))
         grads = _as_pure(_state(grads, self.wrt, graph=self.graph))
         core = self._core()
+        before = jax.tree.leaves(core)
         updates = core.update(grads, params, apply_updates=False, **_as_pure(kwargs))
         nnx.update(model, placed_like(_apply_updates(params, updates), params, self.placements))
-        _set_value(self.treeopt, core)
+        # The state where it was placed (under auto axes the compiler would choose for a traced step).
+        kept = placed_like(jax.tree.leaves(core), before, vars(self.treeopt).get("placements"))
+        _set_value(self.treeopt, jax.tree.unflatten(jax.tree.structure(core), kept))
         return updates
 
     # -- what treeopt adds -----------------------------------------------------------
@@ -369,8 +372,15 @@ class HeldOptimizer(nnx.Pytree):
     get_raw_value = get_value
 
     def set_value(self, value: CoreOptimizer) -> None:
-        """Replaces the optimizer: in place, variable by variable, where its structure is unchanged."""
+        """Replaces the optimizer: in place, variable by variable, where its structure is unchanged.
+
+        Given concrete arrays (a state placed with ``jax.device_put``), it also
+        records where each one lies: a traced step under auto mesh axes cannot
+        read that, and the drop-in keeps the new state there.
+        """
         structure = jax.tree.structure(value)
+        if not any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(value)):
+            self.placements = placements(value)
         current = vars(self).get("structure")
         if current is not None and current == structure:
             variables = jax.tree.leaves(self._variables(), is_leaf=_is_variable)

@@ -67,6 +67,8 @@ CELLS = [
     ("nnx", "float32", 4, "explicit", "zero"),
     ("nnx", "kahan", 4, "auto", "replicated"),
     ("nnx", "stochastic", 8, "auto", "zero"),
+    # 4-bit scales of model-sharded params on auto axes: the drop-in keeps the state's layout across nnx.jit
+    ("nnx", "master", 4, "auto", "model+zero"),
     ("t5x", "float32", None, "default", "replicated"),
     ("t5x", "float32", None, "auto", "model+zero"),
     ("t5x", "float32", None, "explicit", "zero"),
