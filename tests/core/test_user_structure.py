@@ -25,6 +25,9 @@ import treeopt
 
 from _helpers import assert_trees_close
 
+# A tree with every nnx Variable replaced by its value (nnx.pure before flax 0.12.7).
+as_pure = getattr(nnx, "as_pure", None) or nnx.pure
+
 STEPS = 4
 RTOL = 1e-6  # both sides jitted alike; what differs is where XLA contracts a multiply-add
 
@@ -52,7 +55,7 @@ class _Mlp(nnx.Module):
 
 def nnx_state() -> Any:
     model = _Mlp(nnx.Rngs(0))
-    return nnx.as_pure(nnx.state(model, nnx.Param))
+    return as_pure(nnx.state(model, nnx.Param))
 
 
 class _EqxMlp(eqx.Module):

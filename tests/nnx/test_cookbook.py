@@ -21,6 +21,9 @@ from jax.sharding import PartitionSpec as P
 
 import treeopt.nnx
 
+# A tree with every nnx Variable replaced by its value (nnx.pure before flax 0.12.7).
+as_pure = getattr(nnx, "as_pure", None) or nnx.pure
+
 RTOL = 1e-5
 
 
@@ -60,7 +63,7 @@ def _train(
     for _ in range(steps):
         losses.append(float(step(model, optimizer, x, y)))
         if reshard:
-            model = jax.sharding.reshard(model, P(None, None))
+            model = jax.sharding.reshard(model, P())
     return np.array(losses), model, optimizer
 
 
@@ -119,7 +122,7 @@ def test_optimizer_sharding_with_shard_state_over() -> None:
         model = _model(nnx.Rngs(3), init)
         optimizer = treeopt.nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
     specs = optimizer.partition_specs(
-        jax.tree.map(lambda _: P(), nnx.as_pure(nnx.state(model, nnx.Param))),
+        jax.tree.map(lambda _: P(), as_pure(nnx.state(model, nnx.Param))),
         shard_state_over="data",
         mesh=mesh,
     )
@@ -128,9 +131,9 @@ def test_optimizer_sharding_with_shard_state_over() -> None:
     # The biases have none: their params' spec, and ZeRO's axis.
     assert specs.opt_state[0].mu["layers/1/bias"] == P("data")
     # Without optimizer_sharding the kernels' state would follow their replicated params.
-    plain = treeopt.Optimizer(optax.adam(1e-2)).init(nnx.as_pure(nnx.state(model, nnx.Param)))
+    plain = treeopt.Optimizer(optax.adam(1e-2)).init(as_pure(nnx.state(model, nnx.Param)))
     assert (
-        plain.partition_specs(jax.tree.map(lambda _: P(), nnx.as_pure(nnx.state(model, nnx.Param))))
+        plain.partition_specs(jax.tree.map(lambda _: P(), as_pure(nnx.state(model, nnx.Param))))
         .opt_state[0]
         .mu["layers/1/kernel"]
         == P()

@@ -83,8 +83,8 @@ class _Viewed:
         try:
             state = self.tx.init(nested)
         except (ValueError, TypeError) as error:
-            if "structure" not in str(error) and "pytree" not in str(error).lower():
-                raise
+            if not any(word in str(error).lower() for word in ("structure", "pytree", "mismatch")):
+                raise  # not a tree that fails to fit the params
             raise ValueError(
                 f"tx.init failed on the params in the structure given to init ({_shown(nested)}): "
                 f"{error}\nA mask or labels tree (optax.masked, multi_transform, partition, the mask= of "
