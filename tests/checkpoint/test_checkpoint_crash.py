@@ -24,6 +24,7 @@ checkpoint mixing two saves, or an older one than allowed, shows.
 from __future__ import annotations
 
 import contextlib
+import copy
 import gc
 import os
 import random
@@ -54,7 +55,7 @@ ABSTRACT_PARAMS = jax.eval_shape(lambda: PARAMS)
 def state_at(step):
     """``(optimizer, params)`` whose every value is ``step`` (params: ``-step``)."""
     sd = jax.tree.map(lambda x: np.full(x.shape, step, x.dtype), BASE.state_dict())
-    return BASE.load_state_dict(sd), {"w": jnp.full(4, -step, jnp.float32)}
+    return copy.copy(BASE).load_state_dict(sd), {"w": jnp.full(4, -step, jnp.float32)}
 
 
 def check_values(opt, params):
@@ -443,7 +444,7 @@ def test_a_manager_killed_at_any_filesystem_operation_lists_only_steps_that_rest
 
 _CHILD = textwrap.dedent(
     """
-    import sys
+    import copy, sys
     import jax, jax.numpy as jnp, numpy as np, optax
     import treeopt
     from treeopt import checkpoint as ckpt
@@ -453,7 +454,7 @@ _CHILD = textwrap.dedent(
 
     def state_at(step):
         sd = jax.tree.map(lambda x: np.full(x.shape, step, x.dtype), base.state_dict())
-        return base.load_state_dict(sd), {"w": jnp.full(4, -step, jnp.float32)}
+        return copy.copy(base).load_state_dict(sd), {"w": jnp.full(4, -step, jnp.float32)}
 
     ckpt.save(scratch, *state_at(0), force=True)  # imports and compilation before the clock starts
     if mode == "manager":

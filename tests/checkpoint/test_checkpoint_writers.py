@@ -22,6 +22,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import gc
 import inspect
 import json
@@ -55,13 +56,13 @@ DEADLINE_S = 120  # for a child process to reach the next line of its script: on
 def state_at(step):
     """``(optimizer, params)`` whose every value is ``step`` (params: ``-step``)."""
     sd = jax.tree.map(lambda x: np.full(x.shape, step, x.dtype), BASE.state_dict())
-    return BASE.load_state_dict(sd), {"w": jnp.full(4, -step, jnp.float32)}
+    return copy.copy(BASE).load_state_dict(sd), {"w": jnp.full(4, -step, jnp.float32)}
 
 
 # What every child script starts with: the same imports, BASE and state_at as here.
 _PRELUDE = textwrap.dedent(
     """
-        import json, os, shutil, sys
+        import copy, json, os, shutil, sys
         import jax, jax.numpy as jnp, numpy as np, optax
         import treeopt
         from treeopt import checkpoint

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import os
 import threading
 
@@ -40,7 +41,7 @@ RELEASE_AFTER_S = 0.2  # how long a held commit stays held once the reader is (o
 
 def state_at(step):
     """The optimizer whose every value is ``step``."""
-    return BASE.load_state_dict(jax.tree.map(lambda x: np.full(x.shape, step, x.dtype), BASE.state_dict()))
+    return copy.copy(BASE).load_state_dict(jax.tree.map(lambda x: np.full(x.shape, step, x.dtype), BASE.state_dict()))
 
 
 def step_of(state_dict):

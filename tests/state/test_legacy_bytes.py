@@ -104,6 +104,28 @@ def test_core_bytes_of_earlier_versions_load():
     assert_trees_equal(restored.state_dict(), opt.state_dict())
 
 
+def _multi_transform():
+    return optax.multi_transform(
+        {"k": optax.adamw(1e-2, weight_decay=0.1, mask=treeopt.mask("*kernel")), "b": optax.sgd(0.1, momentum=0.9)},
+        treeopt.labels({"*kernel": "k"}, default="b"),
+    )
+
+
+def test_masked_state_written_when_tx_saw_the_flat_dict_loads_and_trains_on():
+    """Before tx saw the params' own structure it saw {name: leaf}; the state it wrote still loads, and the
+    masked entries (MaskedNode per name) land where today's view puts them."""
+    tx = _multi_transform()
+    opt = treeopt.Optimizer(tx).init(params())
+    p = params()
+    for i in range(2):
+        p = opt.update(grads(i), p)
+    target = jax.eval_shape(treeopt.Optimizer(tx).init, params())
+    restored = treeopt.serialization.from_bytes(target, (FIXTURES / "core_multi_transform.msgpack").read_bytes())
+    assert_trees_equal(restored.state_dict(), opt.state_dict())
+    assert isinstance(restored.opt_state.inner_states["k"].inner_state[0].mu["dense/bias"], optax.MaskedNode)
+    assert_trees_equal(restored.update(grads(2), p), opt.update(grads(2), p))
+
+
 def test_core_checkpoint_of_earlier_versions_restores(tmp_path):
     directory = tmp_path / "ckpt"
     shutil.copytree(FIXTURES / "core_adam_ckpt", directory)
