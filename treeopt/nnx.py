@@ -40,7 +40,7 @@ import flax
 import jax
 import optax
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import PartitionSpec
 
 from treeopt.internal import (
     flat_param_specs,
@@ -50,6 +50,7 @@ from treeopt.internal import (
     sets_hyperparameter,
 )
 from treeopt.optimizer import Optimizer as CoreOptimizer
+from treeopt.partitioning import named_shardings, param_specs_of
 from treeopt.typing import OptState, ParamSpecs, StateDict, Updates
 
 __all__ = ["ModelAndOptimizer", "Optimizer"]
@@ -479,15 +480,9 @@ def _laid_out(
     mesh = meshes[0] if meshes else _context_mesh()
     if mesh is None:
         return core
-    leaves = jax.tree.leaves(params)
-    own = {name: _spec_of(leaves[i]) for name, i in zip(core.layout.names, core.layout.index, strict=True)}
+    own = flat_param_specs(param_specs_of(params), core.layout)
     state_specs = core.partition_specs({**own, **dict(specs)}, mesh=mesh)
-    return jax.device_put(core, jax.tree.map(lambda spec: NamedSharding(mesh, spec), state_specs))
-
-
-def _spec_of(value: Any) -> PartitionSpec:
-    sharding = getattr(value, "sharding", None)
-    return sharding.spec if isinstance(sharding, NamedSharding) else PartitionSpec()
+    return jax.device_put(core, named_shardings(state_specs, mesh))
 
 
 def _context_mesh() -> Any:

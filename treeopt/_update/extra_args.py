@@ -137,7 +137,7 @@ class _InUserStructure:
             for i, (leaf, keep) in enumerate(zip(leaves, is_array, strict=True))
             if not keep and i not in trained
         )
-        # What tx hands it: the trained leaves in the params' structure, the others None (treeopt._tree.view).
+        # What tx hands it: the trained leaves in the params' structure, the others left out (treeopt._tree.view).
         view = view_of(layout).treedef
         return cls(fn, treedef, layout.names, index, arrays, fixed, view)
 
