@@ -66,6 +66,11 @@ class Profile:
     gpu_muon_config: tuple[int, int, int, int] = (16, 2048, 8192, 20)
     # case 16: (label, matrices, width, Newton-Schulz steps, warmup, timed steps)
     muon_configs: Sequence[tuple[str, int, int, int, int, int]] = (("8 matrices of 512 x 512", 8, 512, 5, 2, 10),)
+    # case 16 on data=4 x model=2: (label, transformer layers of 6 matrices, d_model, Newton-Schulz steps,
+    # warmup, timed steps)
+    muon_2d_configs: Sequence[tuple[str, int, int, int, int, int]] = (
+        ("2 layers of d=512 (12 matrices)", 2, 512, 5, 2, 10),
+    )
     nnx: bool = True
     # the cases run when --cases is not given (None: every case)
     cases: Sequence[str] | None = None
@@ -132,6 +137,7 @@ SMOKE = Profile(
     nnx_loop_configs=(("2 blocks x 4 (BatchNorm, Dropout)", 2, 4, 4, 1, 2, 2),),
     zero_configs=(("transformer 1 layer x 16, vocab 64", 64, 16, 1, 32, 1, 2),),
     muon_configs=(("8 matrices of 32 x 32", 8, 32, 5, 1, 2),),
+    muon_2d_configs=(("1 layer of d=16 (6 matrices)", 1, 16, 5, 1, 2),),
     gpu_muon_config=(2, 16, 64, 2),
 )
 

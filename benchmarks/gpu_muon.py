@@ -45,15 +45,12 @@ def llama_like(layers: int, d_model: int, d_ff: int) -> dict[str, tuple[int, int
 
 def owner_share(shapes: dict[str, tuple[int, int]], devices: int, device: int = 0) -> dict[str, tuple[int, int]]:
     """The matrices ``device`` of ``devices`` owns under whole-leaf ownership."""
-    from treeopt._sharding.ownership import call_names, owners
-    from treeopt._sharding.whole_leaf import collected
+    from treeopt._sharding.ownership import whole_leaves
 
     tx = optax.contrib.muon(1e-3)
     params = {name: jax.ShapeDtypeStruct(shape, jnp.float32) for name, shape in shapes.items()}
-    with collected() as found:
-        jax.eval_shape(tx.update, params, jax.eval_shape(tx.init, params), params)
-    names = call_names(found, params)
-    return {name: shapes[name] for name, where in zip(names, owners(found, devices), strict=True) if device in where}
+    found = whole_leaves(tx, jax.eval_shape(tx.init, params), params, devices)
+    return {leaf.param: shapes[leaf.param] for leaf in found if leaf.param is not None and device in leaf.owners}
 
 
 def run(profile: Profile, log: Callable[[str], None] = print, force: bool = False) -> list[Row]:

@@ -16,6 +16,7 @@ from treeopt import (  # serialization registers Optimizer with flax
     step,
     typing,
 )
+from treeopt._sharding.whole_leaf import whole_leaf
 from treeopt._tree.masks import labels, mask, name_matcher
 from treeopt._tree.paths import leaf_names
 from treeopt.hyperparams import get_hyperparams, set_hyperparams
@@ -37,6 +38,7 @@ __all__ = [
     "set_hyperparams",
     "step",
     "typing",
+    "whole_leaf",
 ]
 
 __version__ = "0.1.0"

@@ -325,13 +325,12 @@ def test_a_single_partition_spec_for_bare_array_params() -> None:
         opt2.partition_specs(P("data"))
 
 
-def test_whole_leaf_calls_are_named_in_the_order_tx_meets_the_params() -> None:
+def test_whole_leaf_calls_are_named_by_the_gradient_they_compute_from() -> None:
     """Eleven layers of one shape: the view meets them 0, 1, 2, ..., 10, the flat dict's keys 0, 1, 10, 2, ..."""
-    from treeopt._sharding.ownership import call_names
+    from treeopt._sharding.ownership import analysis
     from treeopt._sharding.whole_leaf import collected
     from treeopt._step.viewed import over_names
     from treeopt._tree.layout import ParamLayout
-    from treeopt._tree.view import order_seen_by
 
     params = {"layers": [jnp.full((8, 4), float(i + 1)) for i in range(11)]}
     layout = ParamLayout.of(params)
@@ -340,7 +339,7 @@ def test_whole_leaf_calls_are_named_in_the_order_tx_meets_the_params() -> None:
     tx = over_names(optax.contrib.muon(1e-2), layout)
     with collected() as calls:
         tx.update(flat, tx.init(flat), flat)
-    names = call_names(calls, flat, order_seen_by(tx))
+    names = [found.param for found in analysis(tx, flat, tx.init(flat), flat, {})]
     assert sorted(names) == sorted(flat)
     for call, name in zip(calls, names, strict=True):  # each call computes from its own param's gradient
         ratio = np.asarray(call.leaf) / np.asarray(flat[name])

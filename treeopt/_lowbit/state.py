@@ -56,7 +56,7 @@ from treeopt._lowbit.legacy import legacy_bits, legacy_decoded
 from treeopt._lowbit.statistics import field_at, fields_by_path, full_precision_reason, statistic_map
 from treeopt._sharding.explicit import explicit_sharding, resharded_like
 from treeopt._tree.layout import ParamLayout
-from treeopt._tree.masks import name_matcher
+from treeopt._tree.masks import checked_globs, name_matcher
 from treeopt._tree.paths import Path, param_owners, path_str
 from treeopt.errors import LoadReport, StateDictError
 
@@ -128,28 +128,8 @@ def bits_by_name(rules: StateBits, names: Sequence[str]) -> dict[str, int]:
     """
     if not rules:
         return {}
+    checked_globs("state_bits", rules, names)
     matchers = [(glob, name_matcher(glob), bits) for glob, bits in rules]
-    unmatched = [glob for glob, match, _ in matchers if not any(match(name) for name in names)]
-    if unmatched:
-        shown = ", ".join(repr(n) for n in list(names)[:8]) + (", ..." if len(names) > 8 else "")
-        raise ValueError(
-            f"state_bits: the glob(s) {unmatched} match no trained parameter: a typo, or a name "
-            f"that changed? The parameters are {shown}. A glob matches whole '/'-separated names: "
-            "'encoder/*', '*kernel'."
-        )
-    deciding: dict[str, str] = {}  # name -> the glob that decides it
-    for glob, match, _ in matchers:
-        matched = [name for name in names if match(name)]
-        if all(name in deciding for name in matched):
-            earlier = sorted({deciding[name] for name in matched}, key=[g for g, _, _ in matchers].index)
-            shown = ", ".join(repr(g) for g in earlier)
-            raise ValueError(
-                f"state_bits: the glob {glob!r} comes after {shown}, which already decides every name it "
-                f"matches ({matched[:8]}): it has no effect. Put the narrower glob first: "
-                f"state_bits={{{glob!r}: ..., {earlier[0]!r}: ...}}."
-            )
-        for name in matched:
-            deciding.setdefault(name, glob)
     out = {}
     for name in names:
         bits = next((bits for _, match, bits in matchers if match(name)), None)

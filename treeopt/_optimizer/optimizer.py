@@ -15,7 +15,7 @@ from treeopt._lowbit.state import checked_state_bits, constant_leaves, quantized
 from treeopt._optimizer.parts import state_parts, with_state_parts
 from treeopt._sharding.explicit import like_inputs
 from treeopt._sharding.optimizer_specs import optimizer_state_specs
-from treeopt._sharding.ownership import checked_owned
+from treeopt._sharding.ownership import checked_owned, owning
 from treeopt._state import state_dict as _state_dict
 from treeopt._step.initial import as_transformation, init_inputs, transformation_name
 from treeopt._step.options import (
@@ -302,7 +302,7 @@ class Optimizer:
         lookahead = is_lookahead(params)
         layout = ParamLayout.of(params.fast if lookahead else params, self.wrt)
         flat, precision_state = init_inputs(layout, params, lookahead, self.precision)
-        tx = over_names(self.tx, layout)
+        tx = owning(over_names(self.tx, layout), self.owned, layout.names)  # owned='s globs checked here
         opt_state = stable_dtypes(tx, jax.tree.map(strong, tx.init(flat)), flat, lookahead)
         if self.state_bits is not None:
             traced = any(is_tracer(x) for x in jax.tree.leaves(flat.fast if lookahead else flat))

@@ -1,29 +1,30 @@
 """Whole-leaf ownership: on a mesh, each matrix of a whole-leaf computation is computed by one owner device.
 
 A whole-leaf computation (:mod:`treeopt._sharding.whole_leaf`: Muon's
-Newton-Schulz orthogonalization) on a leaf that ZeRO-1 split over the data
-axis makes the compiler move slices at every iteration of its loop, and on
-replicated state every device repeats all of it. Here every matrix (each
-slice of a stacked ``(layers, m, n)`` leaf is one) gets one owner among the
-mesh's devices, chosen by cost (:func:`plan`: longest processing time first
-on ``max(m, n) * min(m, n) ** 2``), and :func:`owned_update` runs the
-transformation's update so that:
+Newton-Schulz orthogonalization, a user's own orthogonalizer) on a leaf that
+ZeRO-1 split makes the compiler move slices at every iteration of its loop,
+and on replicated state every device repeats all of it. :func:`owning` wraps
+a transformation (as ``optax.apply_if_finite`` wraps one) so that, on a mesh,
+every matrix (each slice of a stacked ``(layers, m, n)`` leaf is one) gets one
+owner among all the mesh's devices, chosen by cost (:func:`plan`: longest
+processing time first), and :func:`owned_update` runs the update so that:
 
-1. a first, discarded evaluation of ``tx.update`` collects the whole-leaf
-   calls and their arguments (the momenta);
-2. the matrices of equal shape are stacked owner by owner (a device's
-   matrices, then zeros up to the bucket's most loaded device) and the stack
-   is laid out over all mesh devices: one exchange brings each matrix to its
-   owner (nothing moves for a stacked leaf already split along its layers);
-3. each owner orthogonalizes its matrices, with no collective inside;
-4. the results go back (under explicit axes to the leaf's own layout, under
-   auto axes to every device), and the evaluation of ``tx.update`` that
-   counts takes them as the calls' results.
+1. a first evaluation of ``tx.update`` finds the whole-leaf calls (with none,
+   it is the update itself: traced once);
+2. :func:`analysis` reads, from the update's program, which parameter each
+   call computes from (data flow, never shape) and which calls sit inside the
+   transformation's own control flow (those are computed where they are, as
+   written);
+3. matrices of one shape and layout are stacked, each device's local blocks
+   in place, and one all-to-all per mesh axis that splits them brings each
+   matrix whole to its owner (a stacked leaf's layers stay where they lie);
+4. each owner runs the function on its matrices, with no collective inside;
+5. the reverse all-to-alls put the results back in the leaves' own layout,
+   and the evaluation that counts takes them as the calls' results.
 
-The state itself keeps its ZeRO layout (a stacked leaf's layers are split
-over the data axis, so there each owner holds its matrices whole), so state
-dicts, checkpoints and restores onto another mesh are those of any ZeRO
-state. Off a mesh of several devices ``tx.update`` runs as it is.
+The state keeps its ZeRO layout, so state dicts, checkpoints and restores
+onto another mesh are those of any ZeRO state. Off a mesh ``tx.update`` runs
+as it is.
 
 Example:
     >>> plan([(1.0, 3), (8.0, 1)], devices=2)   # the dear matrix on device 0, the three cheap ones on 1
@@ -33,95 +34,70 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from treeopt._compat.optax_private import multi_steps_parts
+from treeopt._sharding.exchange import layout_of, owned_results, spec_of
 from treeopt._sharding.explicit import is_explicit
 from treeopt._sharding.specs import is_self_specified
 from treeopt._sharding.whole_leaf import Call, WholeLeafFunction, collected, intercepted
-from treeopt._tree.masks import name_matcher
+from treeopt._tree.masks import checked_globs, name_matcher
 from treeopt._tree.paths import path_to_name
-from treeopt._tree.view import order_seen_by
 
 OwnedRules = tuple[tuple[str, bool], ...]
 """``((glob, owned), ...)``: the first glob that matches a parameter's name decides; no match: owned."""
 
 __all__ = [
-    "Bucket",
+    "Found",
     "OwnedLeaf",
     "OwnedRules",
-    "call_names",
+    "analysis",
     "checked_owned",
     "owned_update",
     "owners",
+    "owning",
     "owns",
     "plan",
     "whole_leaves",
 ]
 
 
-def plan(buckets: Sequence[tuple[float, int]], devices: int) -> list[list[int]]:
+def plan(
+    buckets: Sequence[tuple[float, int]], devices: int, loads: Sequence[float] | None = None
+) -> list[list[int]]:
     """How many matrices of each bucket each device owns: ``[[count of device d for d] per bucket]``.
 
-    ``buckets`` are ``(cost of one matrix, number of matrices)``. Longest
-    processing time first: the matrices, dearest first, go one by one to the
-    device with the least work so far (the first of equals).
+    ``buckets`` are ``(cost of one matrix, number of matrices)``; ``loads``
+    the work each device already has (a stacked leaf's layers where they
+    lie). Longest processing time first: the matrices, dearest first, go one
+    by one to the device with the least work so far (the first of equals).
 
     Example:
         >>> plan([(1.0, 8)], devices=4), plan([(1.0, 3), (8.0, 1)], devices=2)
         ([[2, 2, 2, 2]], [[0, 3], [1, 0]])
     """
-    loads = [0.0] * devices
+    load = list(loads) if loads is not None else [0.0] * devices
     out: list[list[int]] = [[0] * devices for _ in buckets]
     for b in sorted(range(len(buckets)), key=lambda b: -buckets[b][0]):
         cost, count = buckets[b]
         for _ in range(count):
-            d = min(range(devices), key=lambda d: (loads[d], d))
+            d = min(range(devices), key=lambda d: (load[d], d))
             out[b][d] += 1
-            loads[d] += cost
+            load[d] += cost
     return out
 
 
-@dataclasses.dataclass
-class Bucket:
-    """Calls whose matrices stack: the same function and arguments, matrix shape and dtype."""
-
-    calls: list[tuple[int, Call]]
-    """``(position among the calls, call)``."""
-    shape: tuple[int, int]
-    cost: float
-
-    @property
-    def count(self) -> int:
-        """The number of matrices."""
-        return sum(call.matrix_shape()[0] for _, call in self.calls)
-
-
-def buckets_of(calls: Sequence[Call]) -> list[Bucket]:
-    """The calls grouped into buckets, in the order of their first call.
-
-    A stacked leaf (several matrices) is a bucket of its own: its layers stay
-    together, and where ZeRO split them over the data axis, in place.
-    """
-    out: dict[Any, Bucket] = {}
-    for i, call in enumerate(calls):
-        k, m, n = call.matrix_shape()
-        key = (call.key(), m, n, str(call.leaf.dtype)) if k == 1 else ("stacked", i)
-        if key not in out:
-            out[key] = Bucket([], (m, n), call.entry.cost(m, n))
-        out[key].calls.append((i, call))
-    return list(out.values())
-
-
 def owners(calls: Sequence[Call], devices: int) -> list[list[int]]:
-    """The owner device of each matrix of each call, in the calls' order: what :func:`owned_results` computes.
+    """The owner device of each matrix of each call, in the calls' order, where their layouts are not known
+    (as :func:`zero_report` shows them): a stacked leaf's layers in runs over the devices in order, the single
+    matrices balanced around them.
 
     Example:
         >>> import jax.numpy as jnp, optax
@@ -133,17 +109,178 @@ def owners(calls: Sequence[Call], devices: int) -> list[list[int]]:
         >>> owners(found, devices=2)   # the dear (8, 8) on device 0, both (4, 4) on device 1
         [[1], [1], [0]]
     """
-    buckets = buckets_of(calls)
-    counts = plan([(b.cost, b.count) for b in buckets], devices)
     out: list[list[int]] = [[] for _ in calls]
-    for bucket, per_device in zip(buckets, counts, strict=True):
+    loads = [0.0] * devices
+    singles: dict[Any, list[int]] = {}
+    for i, call in enumerate(calls):
+        k, m, n = call.matrix_shape()
+        if k > 1:
+            per = -(-k // devices)
+            out[i] = [j // per for j in range(k)]
+            for d in out[i]:
+                loads[d] += call.entry.cost(m, n)
+        else:
+            singles.setdefault((call.key(), m, n), []).append(i)
+    groups = list(singles.values())
+    costs = [calls[g[0]].entry.cost(*calls[g[0]].matrix_shape()[1:]) for g in groups]
+    counts = plan([(c, len(g)) for c, g in zip(costs, groups, strict=True)], devices, loads)
+    for group, per_device in zip(groups, counts, strict=True):
         slots = [d for d, count in enumerate(per_device) for _ in range(count)]
-        taken = 0
-        for i, call in bucket.calls:
-            k = call.matrix_shape()[0]
-            out[i] = slots[taken : taken + k]
-            taken += k
+        for i, d in zip(group, slots, strict=True):
+            out[i] = [d]
     return out
+
+
+# -- which parameter each call computes from -------------------------------------------------------
+
+_MARK = "_treeopt_whole_leaf_call_"
+
+
+@dataclasses.dataclass(frozen=True)
+class Found:
+    """What the update's program says of one whole-leaf call: its parameter and whether its value can leave.
+
+    Attributes:
+        param: the parameter whose gradient the call's leaf is computed from,
+            element by element (``None`` where that is no single one).
+        top_level: made at the update's own level, not inside its control
+            flow (``lax.cond``, loops) or a nested ``jit``.
+    """
+
+    param: str | None
+    top_level: bool
+
+
+def analysis(tx: Any, grads: Any, state: Any, params: Any, extra: Mapping[str, Any]) -> tuple[Found, ...]:
+    """For each whole-leaf call of ``tx.update(grads, state, params, **extra)``, in order: :class:`Found`.
+
+    The update is traced once on shapes (cached by transformation and
+    shapes), each call's leaf passed through a marked identity, and the
+    program is read: a value computes from a gradient when an equation takes
+    it to an output of as many elements (sums, norms and broadcasts do not
+    carry it). So a clipped or accumulated gradient still names its
+    parameter, and a parameter of another transformation of the same shape
+    is never taken for it.
+
+    Example:
+        >>> import jax.numpy as jnp, optax
+        >>> tx = optax.multi_transform({"m": optax.contrib.muon(1e-2), "a": optax.adam(1e-3)},
+        ...                            {"b": "m", "a": "a", "c": "m"})
+        >>> grads = {"a": jnp.ones((4, 4)), "b": jnp.ones((4, 4)), "c": jnp.ones((4, 4))}
+        >>> [found.param for found in analysis(tx, grads, tx.init(grads), grads, {})]
+        ['b', 'c']
+    """
+    abstract = jax.tree.map(_aval, (grads, state, params, dict(extra)), is_leaf=is_self_specified)
+    leaves, treedef = jax.tree.flatten(abstract, is_leaf=_is_aval)
+    try:
+        return _analysis(tx, treedef, tuple(leaves))
+    except TypeError:  # an unhashable static argument: no cache
+        return _analysis.__wrapped__(tx, treedef, tuple(leaves))
+
+
+def _aval(x: Any) -> Any:
+    if hasattr(x, "shape") and hasattr(x, "dtype"):
+        return jax.ShapeDtypeStruct(tuple(x.shape), x.dtype)
+    return x
+
+
+def _is_aval(x: Any) -> bool:
+    return isinstance(x, jax.ShapeDtypeStruct)
+
+
+@functools.lru_cache(maxsize=128)
+def _analysis(tx: Any, treedef: Any, leaves: tuple[Any, ...]) -> tuple[Found, ...]:
+    grads = jax.tree.unflatten(treedef, list(leaves))[0]
+    arrays = [i for i, x in enumerate(leaves) if _is_aval(x)]
+    marked: list[Call] = []
+
+    def mark(call: Call) -> Any:
+        def identity(x: Any) -> Any:
+            return x
+
+        identity.__name__ = f"{_MARK}{len(marked)}"
+        marked.append(call)
+        return jax.jit(identity)(call.leaf)
+
+    def update(*values: Any) -> Any:
+        filled = list(leaves)
+        for i, value in zip(arrays, values, strict=True):
+            filled[i] = value
+        g, s, p, e = jax.tree.unflatten(treedef, filled)
+        with intercepted(mark):
+            return tx.update(g, s, p, **e)
+
+    closed = jax.make_jaxpr(update)(*[leaves[i] for i in arrays])
+    names = [path_to_name(path) for path, _ in jax.tree_util.tree_flatten_with_path(grads)[0]]
+    n_grads = len(names)
+    taints = [frozenset({i}) if i < n_grads else frozenset() for i in range(len(arrays))]
+    seen: dict[int, tuple[frozenset[int], bool]] = {}
+    _walk(closed.jaxpr, taints, seen, top=True)
+    out = []
+    for i, call in enumerate(marked):
+        taint, top = seen.get(i, (frozenset(), False))
+        out.append(Found(_named(taint, names, grads, call), top))
+    return tuple(out)
+
+
+def _named(taint: frozenset[int], names: Sequence[str], grads: Any, call: Call) -> str | None:
+    if len(taint) == 1:
+        return names[next(iter(taint))]
+    shaped = [i for i in sorted(taint) if tuple(jax.tree.leaves(grads)[i].shape) == tuple(call.leaf.shape)]
+    return names[shaped[0]] if len(shaped) == 1 else None
+
+
+def _size(v: Any) -> int:
+    return math.prod(getattr(getattr(v, "aval", None), "shape", ()) or ())
+
+
+def _walk(
+    jaxpr: Any, taints: Sequence[frozenset[int]], seen: dict[int, Any], top: bool
+) -> list[frozenset[int]]:
+    """The gradients each output of ``jaxpr`` computes from, element by element; marked calls go to ``seen``."""
+    env: dict[Any, frozenset[int]] = dict(zip(jaxpr.invars, taints, strict=False))
+    empty: frozenset[int] = frozenset()
+
+    def read(v: Any) -> frozenset[int]:
+        return empty if hasattr(v, "val") else env.get(v, empty)  # a literal holds its value
+
+    for eqn in jaxpr.eqns:
+        ins = [read(v) for v in eqn.invars]
+        name = eqn.params.get("name")
+        if isinstance(name, str) and name.startswith(_MARK):
+            seen[int(name[len(_MARK) :])] = (ins[0], top)
+            env[eqn.outvars[0]] = ins[0]
+            continue
+        subs = _sub_jaxprs(eqn.params)
+        outs: list[frozenset[int]] = [empty] * len(eqn.outvars)
+        if subs:
+            for sub in subs:
+                offset = max(len(ins) - len(sub.invars), 0)
+                inner = _walk(sub, ins[offset:], seen, top=False)
+                if len(inner) == len(outs):
+                    outs = [a | b for a, b in zip(outs, inner, strict=True)]
+        else:
+            for k, v in enumerate(eqn.outvars):
+                size = _size(v)
+                outs[k] = frozenset().union(
+                    *[t for t, x in zip(ins, eqn.invars, strict=True) if _size(x) == size]
+                )
+        for v, t in zip(eqn.outvars, outs, strict=True):
+            env[v] = t
+    return [read(v) for v in jaxpr.outvars]
+
+
+def _sub_jaxprs(params: Mapping[str, Any]) -> list[Any]:
+    out = []
+    for value in params.values():
+        for item in value if isinstance(value, tuple | list) else (value,):
+            inner = getattr(item, "jaxpr", item)
+            if hasattr(inner, "eqns") and hasattr(inner, "invars"):
+                out.append(inner)
+    return out
+
+
+# -- what the specs and the report see ---------------------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,16 +289,17 @@ class OwnedLeaf:
 
     Attributes:
         param: the parameter's name (``None`` where it could not be told).
-        entry: the whole-leaf computation (:data:`treeopt._sharding.whole_leaf.WHOLE_LEAF`).
+        entry: the whole-leaf function (:class:`treeopt._sharding.whole_leaf.WholeLeafFunction`).
         matrices: how many independent matrices it holds (a stacked leaf's layers).
-        shape: each matrix's ``(m, n)``, ``m <= n``.
+        shape: each matrix's ``(m, n)``.
         batch_axes: the param's axes that hold its matrices side by side.
         owners: the mesh device (in the mesh's order) that computes each matrix;
-            empty where the computation is not owned (``owned=`` said so).
+            empty where the computation is not owned (``owned=`` said so, or it
+            sits in the transformation's own control flow).
 
     Example:
-        >>> from treeopt._sharding.whole_leaf import MUON_NEWTON_SCHULZ
-        >>> leaf = OwnedLeaf("dense/kernel", MUON_NEWTON_SCHULZ, 1, (64, 128), (), (3,))
+        >>> from treeopt._sharding.whole_leaf import registered
+        >>> leaf = OwnedLeaf("dense/kernel", registered()[0], 1, (64, 128), (), (3,))
         >>> leaf.what, leaf.cost
         ("Muon's Newton-Schulz orthogonalization", 524288.0)
     """
@@ -193,272 +331,41 @@ def whole_leaves(
 ) -> list[OwnedLeaf]:
     """The parameters whose update under ``tx`` reads matrices whole, and their owners among ``devices``.
 
-    ``tx.update`` is evaluated on shapes only (``jax.eval_shape``), on the
-    params' shapes and dtypes ``avals`` (``{name: ShapeDtypeStruct}``) and
-    ``opt_state`` (concrete or abstract; a low-bit leaf read as the array it
-    stands for). A transformation that cannot update on shapes alone (one
-    that needs ``value=``) has none. ``owned``: which parameters' matrices are
-    owned (:func:`owns`; ``None``: all).
+    ``tx.update`` is evaluated on shapes only, on the params' shapes and
+    dtypes ``avals`` (``{name: ShapeDtypeStruct}``) and ``opt_state``
+    (concrete or abstract; a low-bit leaf read as the array it stands for).
+    A transformation that cannot update on shapes alone (one that needs
+    ``value=``) has none. ``owned``: which parameters' matrices are owned
+    (:func:`owns`; ``None``: all).
 
     Example:
         >>> import jax, jax.numpy as jnp, optax
         >>> tx = optax.contrib.muon(1e-2)
         >>> avals = {"w": jax.ShapeDtypeStruct((8, 4), jnp.float32), "b": jax.ShapeDtypeStruct((4,), jnp.float32)}
         >>> [(leaf.param, leaf.shape, leaf.owners) for leaf in whole_leaves(tx, jax.eval_shape(tx.init, avals), avals, 2)]
-        [('w', (4, 8), (0,))]
+        [('w', (8, 4), (0,))]
     """
-    state = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(tuple(x.shape), x.dtype), opt_state, is_leaf=is_self_specified
-    )
+    state = jax.tree.map(_aval, opt_state, is_leaf=is_self_specified)
+    grads = dict(avals)
     try:
         with collected() as calls:
-            jax.eval_shape(lambda g, s: tx.update(g, s, g), dict(avals), state)
+            jax.eval_shape(lambda g, s: tx.update(g, s, g), grads, state)
+        found = analysis(tx, grads, state, grads, {}) if calls else ()
     except Exception:  # an update that needs more than shapes (value=, ...): nothing found
         return []
-    names = call_names(calls, dict(avals), order_seen_by(tx))
-    chosen = [i for i, name in enumerate(names) if owns(owned, name)]
+    if len(found) != len(calls):
+        found = tuple(Found(None, False) for _ in calls)
+    chosen = [i for i, f in enumerate(found) if f.top_level and owns(owned, f.param)]
     assigned = dict(zip(chosen, owners([calls[i] for i in chosen], devices), strict=True))
     out = []
-    for i, (call, name) in enumerate(zip(calls, names, strict=True)):
+    for i, (call, f) in enumerate(zip(calls, found, strict=True)):
         k, m, n = call.matrix_shape()
         batch = call.axes()[0]
-        out.append(OwnedLeaf(name, call.entry, k, (m, n), batch, tuple(assigned.get(i, ()))))
+        out.append(OwnedLeaf(f.param, call.entry, k, (m, n), batch, tuple(assigned.get(i, ()))))
     return out
 
 
-def call_names(calls: Sequence[Call], grads: Any, order: Sequence[str] | None = None) -> list[str | None]:
-    """The parameter each call belongs to, read from ``grads`` (what ``tx.update`` was given).
-
-    optax maps a whole-leaf function over the leaves in tree order, so the
-    calls follow the params' names in order: each call takes the next name
-    whose param has the call's leaf's shape. ``None`` where no name is left.
-
-    Example:
-        >>> import jax.numpy as jnp, optax
-        >>> from treeopt._sharding.whole_leaf import collected
-        >>> tx = optax.contrib.muon(1e-2)
-        >>> grads = {"dense/kernel": jnp.ones((4, 8)), "dense/bias": jnp.ones(8), "out/kernel": jnp.ones((8, 2))}
-        >>> with collected() as found:
-        ...     _ = tx.update(grads, tx.init(grads), grads)
-        >>> call_names(found, grads)
-        ['dense/kernel', 'out/kernel']
-    """
-    if order is not None:  # tx sees the params in the user's structure: its leaves come in that order
-        named = [(name, tuple(jnp.shape(grads[name]))) for name in order]
-    else:
-        named = [
-            (path_to_name(path), tuple(jnp.shape(leaf)))
-            for path, leaf in jax.tree_util.tree_flatten_with_path(grads)[0]
-        ]
-    out: list[str | None] = []
-    at = 0
-    for call in calls:
-        shape = tuple(call.leaf.shape)
-        while at < len(named) and named[at][1] != shape:
-            at += 1
-        out.append(named[at][0] if at < len(named) else None)
-        at += 1
-    return out
-
-
-def mesh_of(tree: Any) -> Any:
-    """The mesh the leaves of ``tree`` are traced on, when it has more than one device; else ``None``."""
-    for leaf in jax.tree.leaves(tree):
-        try:
-            sharding = getattr(jax.typeof(leaf), "sharding", None)
-        except TypeError:
-            continue
-        mesh = getattr(sharding, "mesh", None)
-        if mesh is not None and not getattr(mesh, "empty", True) and math.prod(mesh.shape.values()) > 1:
-            return mesh
-    return None
-
-
-def _spec_of(x: Any) -> tuple[Any, ...]:
-    spec = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None)
-    return tuple(spec) if spec is not None else ()
-
-
-def _place(x: Any, mesh: Any, spec: Sequence[Any], explicit: bool) -> Any:
-    sharding = NamedSharding(mesh, PartitionSpec(*spec))
-    if explicit:
-        return jax.sharding.reshard(x, sharding)
-    return jax.lax.with_sharding_constraint(x, sharding)
-
-
-@dataclasses.dataclass
-class _Stacked:
-    """One bucket laid out over the devices: a device's run of ``cap`` holds its matrices, then zeros."""
-
-    bucket: Bucket
-    per_device: list[list[tuple[int, int]]]
-    """``(call, matrix)`` of each device's matrices, in stack order."""
-    layout: tuple[Any, ...]
-    stack: Any = None
-
-    @property
-    def cap(self) -> int:
-        return max(len(mine) for mine in self.per_device)
-
-    @property
-    def counts(self) -> tuple[int, ...]:
-        return tuple(len(mine) for mine in self.per_device)
-
-    @property
-    def even(self) -> bool:
-        return len(set(self.counts)) == 1
-
-
-def owned_results(calls: Sequence[Call], mesh: Any) -> list[Any]:
-    """The results of ``calls``, each matrix computed by its owner (see the module doc)."""
-    devices = math.prod(mesh.shape.values())
-    explicit = is_explicit(mesh)
-    assigned = owners(calls, devices)
-    stacked = []
-    for bucket in buckets_of(calls):
-        per_device: list[list[tuple[int, int]]] = [[] for _ in range(devices)]
-        for i, _ in bucket.calls:
-            for j, d in enumerate(assigned[i]):
-                per_device[d].append((i, j))
-        layout = _spec_of(bucket.calls[0][1].matrices()) if explicit else ()
-        one = _Stacked(bucket, per_device, layout)
-        one.stack = _place(_stack(one, mesh, explicit), mesh, (tuple(mesh.axis_names),), explicit)
-        stacked.append(one)
-    outs = _orthogonalized(stacked, mesh)
-    results: list[Any] = [None] * len(calls)
-    for one, out in zip(stacked, outs, strict=True):
-        if explicit:  # back to the leaves' own layout (under auto axes, each result below)
-            out = _place(out, mesh, (None, *one.layout[1:]), True)
-        position = {
-            slot: d * one.cap + j for d, mine in enumerate(one.per_device) for j, slot in enumerate(mine)
-        }
-        for i, call in one.bucket.calls:
-            k = call.matrix_shape()[0]
-            at = [position[(i, j)] for j in range(k)]
-            if at == list(range(at[0], at[0] + k)):
-                part = jax.lax.slice_in_dim(out, at[0], at[0] + k, axis=0)
-            else:
-                part = jnp.concatenate([jax.lax.slice_in_dim(out, p, p + 1, axis=0) for p in at], axis=0)
-            result = call.from_matrices(part).astype(call.leaf.dtype)
-            if explicit:  # the bucket's layout may be another call's: each result in its own leaf's
-                leaf_layout = _spec_of(call.leaf)
-                results[i] = (
-                    result if _spec_of(result) == leaf_layout else _place(result, mesh, leaf_layout, True)
-                )
-            else:
-                results[i] = _place(result, mesh, _split(call, mesh), False)
-    return results
-
-
-def _split(call: Call, mesh: Any) -> tuple[Any, ...]:
-    """Under auto axes, the layout a whole-leaf call's leaf is taken to have, as ZeRO-1 lays it out: split over
-    all the mesh's devices on a batch axis they divide (a stacked leaf's layers), else on its largest
-    dimension they divide (the first of equals), else whole.
-
-    The compiler does not say where a traced value lies; ZeRO over any of the mesh's axes splits that
-    dimension coarser, so taking this one from there is a local slice, not an exchange.
-    """
-    shape = tuple(call.leaf.shape)
-    devices = math.prod(mesh.shape.values())
-    batch = call.axes()[0]
-    for dims in (batch, range(len(shape))):
-        fits = [d for d in dims if shape[d] >= devices and shape[d] % devices == 0]
-        if fits:
-            dim = max(fits, key=lambda d: (shape[d], -d))
-            return (*([None] * dim), tuple(mesh.axis_names))
-    return ()
-
-
-def _stack(one: _Stacked, mesh: Any, explicit: bool) -> Any:
-    """The bucket's matrices in stack order, zeros where a device has fewer than ``cap``, in one layout."""
-    m, n = one.bucket.shape
-    leaves = {i: call.leaf for i, call in one.bucket.calls}
-    if not explicit:
-        leaves = {i: _place(call.leaf, mesh, _split(call, mesh), False) for i, call in one.bucket.calls}
-    matrices = {i: call.matrices(leaves[i]) for i, call in one.bucket.calls}
-    if explicit:  # one layout to stack in: the first call's (under auto axes the compiler chooses)
-        matrices = {
-            i: x if _spec_of(x) == one.layout else _place(x, mesh, one.layout, True)
-            for i, x in matrices.items()
-        }
-    in_order = [slot for mine in one.per_device for slot in mine]
-    if len(matrices) == 1 and one.even and in_order == sorted(in_order):
-        return next(
-            iter(matrices.values())
-        )  # a stacked leaf in its own order: split along its layers as it is
-    dtype = next(iter(matrices.values())).dtype
-    pieces = []
-    for mine in one.per_device:
-        pieces += [jax.lax.slice_in_dim(matrices[i], j, j + 1, axis=0) for i, j in mine]
-        if len(mine) < one.cap:
-            zeros = jnp.zeros((one.cap - len(mine), m, n), dtype)
-            pieces.append(_place(zeros, mesh, one.layout, True) if explicit else zeros)
-    return jnp.concatenate(pieces, axis=0) if len(pieces) > 1 else pieces[0]
-
-
-def _orthogonalized(stacked: Sequence[_Stacked], mesh: Any) -> list[Any]:
-    """Each bucket's function on each device's own matrices of its stack.
-
-    A bucket every device holds as many matrices of runs as one program on
-    each device's run. The others run in one branch per device (devices with
-    the same counts share one), picked by the device's index: XLA runs only
-    the branch taken, so no device computes zeros, and a device's branch
-    holds all its work, so the program's cost (the dearest branch) is the
-    most loaded device's.
-    """
-    outs: list[Any] = [one.bucket.calls[0][1].on_matrices(one.stack) if one.even else None for one in stacked]
-    uneven = [b for b, one in enumerate(stacked) if not one.even]
-    if not uneven:
-        return outs
-    devices = len(stacked[0].per_device)
-    vectors = [tuple(stacked[b].counts[d] for b in uneven) for d in range(devices)]
-    branches_for = sorted(set(vectors))
-    which = jnp.asarray([branches_for.index(vector) for vector in vectors], jnp.int32)
-    axes = tuple(mesh.axis_names)
-    arguments = [sorted(stacked[b].bucket.calls[0][1].arrays().items()) for b in uneven]
-
-    def branch(vector: tuple[int, ...]) -> Callable[..., Any]:
-        def run(blocks: Any, arrays: Any) -> Any:
-            out = []
-            for b, block, count, given in zip(uneven, blocks, vector, arrays, strict=True):
-                one, call = stacked[b], stacked[b].bucket.calls[0][1]
-                names = [name for name, _ in arguments[uneven.index(b)]]
-                if count == 0:
-                    out.append(jnp.zeros_like(block))
-                    continue
-                mine = call.on_matrices(
-                    jax.lax.slice_in_dim(block, 0, count, axis=0), dict(zip(names, given, strict=True))
-                )
-                if count < one.cap:
-                    mine = jnp.concatenate(
-                        [mine, jnp.zeros((one.cap - count, *block.shape[1:]), block.dtype)], axis=0
-                    )
-                out.append(mine)
-            return tuple(out)
-
-        return run
-
-    def local(blocks: Any, which: Any, arrays: Any) -> Any:
-        index = which[jax.lax.axis_index(axes)]
-        return jax.lax.switch(index, [branch(vector) for vector in branches_for], blocks, arrays)
-
-    spec, whole = PartitionSpec(axes), PartitionSpec()
-    blocks = tuple(stacked[b].stack for b in uneven)
-    arrays = tuple(tuple(_replicated(value, mesh) for _, value in given) for given in arguments)
-    in_specs = (tuple(spec for _ in blocks), whole, jax.tree.map(lambda _: whole, arrays))
-    done = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=tuple(spec for _ in blocks))(
-        blocks, which, arrays
-    )
-    for b, out in zip(uneven, done, strict=True):
-        outs[b] = out
-    return outs
-
-
-def _replicated(x: Any, mesh: Any) -> Any:
-    """``x`` replicated over ``mesh`` (under explicit axes a small array's type may name an axis)."""
-    if is_explicit(mesh) and any(entry is not None for entry in _spec_of(x)):
-        return jax.sharding.reshard(x, NamedSharding(mesh, PartitionSpec()))
-    return x
+# -- the options ---------------------------------------------------------------------------------------
 
 
 def checked_owned(owned: Any) -> OwnedRules:
@@ -501,6 +408,36 @@ def owns(rules: OwnedRules | None, name: str | None) -> bool:
     return True
 
 
+# -- the wrapper ---------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=256)
+def owning(
+    tx: optax.GradientTransformation, owned: OwnedRules | None = None, names: tuple[str, ...] | None = None
+) -> optax.GradientTransformationExtraArgs:
+    """``tx`` with its whole-leaf calls computed by their owners on a mesh (:func:`owned_update`).
+
+    ``owned``: which parameters' calls are owned, by name (:func:`owns`;
+    ``None``: all); given the parameters' ``names``, its globs are checked as
+    ``state_bits=`` globs are (one matching nothing, or shadowed by an
+    earlier one: an error).
+
+    Example:
+        >>> import optax
+        >>> owning(optax.contrib.muon(1e-2), (("*", True), ("up", False)), ("up", "down"))
+        Traceback (most recent call last):
+        ...
+        ValueError: owned: the glob 'up' comes after '*', which already decides every name it matches (['up']): it has no effect. Put the narrower glob first: owned={'up': ..., '*': ...}.
+    """
+    if owned is not None and names is not None:
+        checked_globs("owned", owned, names)
+
+    def update(updates: Any, state: Any, params: Any = None, **extra: Any) -> tuple[Any, Any]:
+        return owned_update(tx, updates, state, params, extra, owned=owned)
+
+    return optax.GradientTransformationExtraArgs(tx.init, update)
+
+
 def owned_update(
     tx: Any,
     grads: Any,
@@ -513,53 +450,80 @@ def owned_update(
     """``tx.update(grads, state, params, **extra)`` with its whole-leaf calls computed by their owners.
 
     ``owned``: which parameters' calls are owned, by name (:func:`owns`;
-    ``None``: all). The others are computed as optax does, on every device,
-    their leaf gathered first under explicit axes (the compiler refuses
-    optax's matmuls on a split one).
+    ``None``: all). The others, and calls inside the transformation's own
+    control flow, are computed as written on every device, their leaf
+    gathered first under explicit axes and the result put back in its layout.
     """
-    mesh = mesh_of(grads)
+    mesh = mesh_of((grads, state, params))
     if mesh is None:
         return tx.update(grads, state, params, **extra)
-    tx = _with_owned_inner(tx, owned)
+    multi = _with_owned_inner(tx, owned)
+    if multi is not None:
+        return multi.update(grads, state, params, **extra)
     with collected() as calls:
-        tx.update(grads, state, params, **extra)
-    names = call_names(calls, grads, order_seen_by(tx)) if owned is not None else [None] * len(calls)
-    chosen = [i for i, name in enumerate(names) if owns(owned, name)]
-    computed: dict[int, Any] = {}
-    if chosen:
-        try:
-            computed = dict(zip(chosen, owned_results([calls[i] for i in chosen], mesh), strict=True))
-        except jax.errors.UnexpectedTracerError:
-            computed = {}  # calls inside the transformation's own control flow: computed where they are
+        first = tx.update(grads, state, params, **extra)
+    if not calls:
+        return first  # nothing read whole: this was the update
+    found = analysis(tx, grads, state, params, extra)
+    if len(found) != len(calls):
+        found = tuple(Found(None, False) for _ in calls)
+    devices = math.prod(mesh.shape.values())
+    chosen = [
+        i
+        for i, f in enumerate(found)
+        if devices > 1 and f.top_level and owns(owned, f.param) and layout_of(calls[i], mesh) is not None
+    ]
+    computed = (
+        dict(zip(chosen, owned_results([calls[i] for i in chosen], mesh, plan), strict=True))
+        if chosen
+        else {}
+    )
     position = iter(range(len(calls)))
 
     def replay(call: Call) -> Any:
         i = next(position, None)
         if i is not None and i in computed:
             return computed[i]
-        leaf = call.leaf
-        if is_explicit(mesh):
-            leaf = jax.sharding.reshard(leaf, NamedSharding(mesh, PartitionSpec()))
-        return call.compute(leaf)
+        return _as_written(call, mesh)
 
     with intercepted(replay):
         return tx.update(grads, state, params, **extra)
 
 
+def _as_written(call: Call, mesh: Any) -> Any:
+    """The call as written; under explicit axes on its leaf gathered whole, the result in the leaf's layout."""
+    if not is_explicit(mesh) or not any(spec_of(call.leaf)):
+        return call.compute()
+    whole = jax.sharding.reshard(call.leaf, NamedSharding(mesh, PartitionSpec()))
+    out = call.compute(whole)
+    return jax.sharding.reshard(out, NamedSharding(mesh, PartitionSpec(*spec_of(call.leaf))))
+
+
 def _with_owned_inner(tx: Any, owned: OwnedRules | None) -> Any:
-    """``tx``, or for ``optax.MultiSteps`` the same accumulation around an owned inner transformation.
+    """For ``optax.MultiSteps``, the same accumulation around an owned inner transformation; else ``None``.
 
     ``MultiSteps`` runs its inner update inside a ``lax.cond``, whose values
     cannot leave the branch: the owners' work is done in there instead.
     """
     multi = getattr(tx.update, "__self__", None)
     if not isinstance(multi, optax.MultiSteps):
-        return tx
+        return None
     parts = multi_steps_parts(multi)
-    inner = parts.opt
+    inner = owning(parts.opt, owned)
+    return optax.MultiSteps(inner, *parts[1:]).gradient_transformation()
 
-    def update(updates: Any, state: Any, params: Any = None, **extra: Any) -> Any:
-        return owned_update(inner, updates, state, params, extra, owned=owned)
 
-    rebuilt = optax.MultiSteps(optax.GradientTransformationExtraArgs(inner.init, update), *parts[1:])
-    return rebuilt.gradient_transformation()
+def mesh_of(tree: Any) -> Any:
+    """The mesh the leaves of ``tree`` are traced on, when it has several devices or (explicit axes) a leaf's
+    type names one of its axes; else ``None``."""
+    for leaf in jax.tree.leaves(tree):
+        try:
+            sharding = getattr(jax.typeof(leaf), "sharding", None)
+        except TypeError:
+            continue
+        mesh = getattr(sharding, "mesh", None)
+        if mesh is None or getattr(mesh, "empty", True):
+            continue
+        if math.prod(mesh.shape.values()) > 1 or (is_explicit(mesh) and any(spec_of(leaf))):
+            return mesh
+    return None

@@ -1,39 +1,40 @@
-"""Whole-leaf computations: the one home of the optax functions whose update of a leaf reads it whole.
+"""Whole-leaf functions: functions whose result for a leaf reads the leaf whole, and the routing of their calls.
 
 Most optax transformations update a leaf element by element, so ZeRO-1 splits
 their state anywhere and each device updates its slice. A few read a leaf
 whole: Muon orthogonalizes each momentum matrix by Newton-Schulz iterations,
 a chain of matmuls over the whole matrix. Split over devices, such a matmul
-needs the other devices' slices at every iteration. :data:`WHOLE_LEAF` names
-these functions, how a call's leaf splits into independent matrices (a
-stacked ``(layers, m, n)`` leaf into its slices, by the call's own dimension
-numbers) and what one matrix costs, so that :mod:`treeopt._sharding.ownership`
-can give each matrix one owner device.
+needs the other devices' slices at every iteration.
 
-The functions are found where optax calls them: :func:`intercepted` routes
-every call of a listed function, while it is active in this thread, to a
-handler (the owner's computation); outside it the function runs as optax wrote
-it. A call made inside control flow of the transformation (``lax.cond``) is
-seen too, but its values cannot leave the branch: the handler then computes
-it as optax does.
+:func:`whole_leaf` marks such a function (a user's own orthogonalizer, or one
+of another library, found by module and name), with how a call's leaf splits
+into independent matrices (a stacked ``(layers, m, n)`` leaf into its slices,
+by the call's dimension numbers) and what one matrix costs, so that
+:mod:`treeopt._sharding.ownership` can give each matrix one owner device.
+optax's Newton-Schulz is registered through the same entry, from the one
+home of optax's private names (:mod:`treeopt._compat.optax_private`).
 
-Found, and not listed: GaLore's projection also reads a leaf whole (a singular
-value decomposition every ``update_proj_gap`` steps), but optax computes it
-inside a ``lax.cond`` of a closure, out of reach; its state is small (a
+Calls are found where the transformation makes them: :func:`intercepted`
+routes every call of a marked function, while it is active in this thread, to
+a handler (the owner's computation); outside it the function runs as written.
+
+Found, and not registered: GaLore's projection also reads a leaf whole (a
+singular value decomposition every ``update_proj_gap`` steps), but optax
+computes it inside a ``lax.cond`` of a closure; its state is small (a
 low-rank projector and moments), and it runs where the compiler puts it.
 
 Example:
     >>> import jax.numpy as jnp, optax
     >>> seen = []
     >>> def handler(call):
-    ...     seen.append((call.entry.name, call.leaf.shape))
+    ...     seen.append((call.entry.what, call.leaf.shape))
     ...     return call.compute()
     >>> tx = optax.contrib.muon(1e-2)
     >>> params = {"w": jnp.ones((4, 8)), "b": jnp.ones(8)}
     >>> with intercepted(handler):
     ...     _ = tx.update(params, tx.init(params), params)
     >>> seen
-    [('orthogonalize_via_newton_schulz', (4, 8))]
+    [("Muon's Newton-Schulz orthogonalization", (4, 8))]
 """
 
 from __future__ import annotations
@@ -41,77 +42,204 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import importlib
 import inspect
 import math
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
-import jax.numpy as jnp
-import optax
 
-__all__ = ["WHOLE_LEAF", "Call", "WholeLeafFunction", "collected", "intercepted"]
+from treeopt._compat.optax_private import register_whole_leaf_functions
+
+__all__ = ["Call", "WholeLeafFunction", "collected", "intercepted", "registered", "whole_leaf"]
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 
-@dataclasses.dataclass(frozen=True)
+def default_cost(m: int, n: int) -> float:
+    """The work of one ``(m, n)`` matrix under matmul iterations, up to a constant: ``max(m, n) * min(m, n) ** 2``."""
+    return float(max(m, n) * min(m, n) ** 2)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
 class WholeLeafFunction:
-    """An optax function that reads its leaf argument whole.
+    """A function that reads its leaf argument whole, as :func:`whole_leaf` marked it.
 
     Attributes:
-        module: the module that holds the function and calls it by name.
-        name: the function's name there.
+        original: the function as written.
         what: what it computes, for reports.
         leaf: the name of its leaf argument.
         dimension_numbers: the name of its argument that says how the leaf
             splits into matrices (batch, reduction and output axes, as
             ``optax.contrib.MuonDimensionNumbers``); ``None`` (or the
-            argument left ``None``) means a 2-d leaf is one matrix.
+            argument left ``None`` in a call): the leaf's last two axes are
+            the matrix, any axes before them hold matrices side by side.
+        cost_of: ``(m, n) -> float``, the work of one matrix (``None``:
+            :func:`default_cost`).
+        module, name: where another library's code finds it by name
+            (``None`` for a function marked directly).
+        transposable: ``f(x.T) == f(x).T`` (an orthogonalization): an owner
+            may compute a matrix as its transpose, to stack it with others.
     """
 
-    module: str
-    name: str
+    original: Callable[..., Any]
     what: str
     leaf: str
-    dimension_numbers: str
-
-    def original(self) -> Callable[..., Any] | None:
-        """The function as optax defines it, or ``None`` where this optax has no such function."""
-        module = _module(self.module)
-        found = getattr(module, self.name, None) if module is not None else None
-        return getattr(found, "__wrapped_by_treeopt__", found)
+    dimension_numbers: str | None = None
+    cost_of: Callable[[int, int], float] | None = None
+    module: str | None = None
+    name: str | None = None
+    transposable: bool = False
 
     def cost(self, m: int, n: int) -> float:
-        """The work of one ``(m, n)`` matrix, up to a constant: ``max(m, n) * min(m, n) ** 2``."""
-        return float(max(m, n) * min(m, n) ** 2)
+        """The work of one ``(m, n)`` matrix, as ownership weighs it."""
+        return float(self.cost_of(m, n)) if self.cost_of is not None else default_cost(m, n)
 
 
-def _module(name: str) -> Any:
+_REGISTERED: list[tuple[WholeLeafFunction, Callable[..., Any]]] = []
+"""Functions of other libraries, with the routed stand-in put in their module while a handler is open."""
+
+
+def whole_leaf(
+    fn: Callable[..., Any] | None = None,
+    /,
+    *,
+    leaf: str | None = None,
+    dimension_numbers: str | None = None,
+    cost: Callable[[int, int], float] | None = None,
+    transposable: bool = False,
+    module: str | None = None,
+    name: str | None = None,
+) -> Any:
+    """``fn``, marked as reading its matrix argument whole: on a mesh, each matrix of its calls gets one owner.
+
+    Inside any transformation's update, run by a :class:`treeopt.Optimizer`
+    on a mesh, every call of the returned function is found and its matrices
+    are computed each by one owner device (balanced by ``cost``), with no
+    collective inside the function; off a mesh it is ``fn``. The function
+    must return an array of its leaf's shape and treat axes before the
+    matrix's as independent matrices side by side.
+
+    Args:
+        fn: the function (also usable as a decorator, with or without the
+            keywords).
+        leaf: the name of its matrix argument (default: its first one).
+        dimension_numbers: the name of its argument giving the leaf's batch,
+            reduction and output axes as ``optax.contrib.MuonDimensionNumbers``
+            does (default: none, the last two axes are the matrix).
+        cost: ``(m, n) -> float``, one matrix's work, for balancing the owners
+            (default ``max(m, n) * min(m, n) ** 2``, matmul iterations).
+        transposable: the function commutes with transposition,
+            ``f(x.T) == f(x).T`` (an orthogonalization does): a matrix may be
+            computed as its transpose, so row- and column-split matrices of a
+            shape travel together.
+        module, name: instead of ``fn``, a function of another library that
+            its own code calls by this module-level name: its calls are
+            routed while an update traces.
+
+    Example:
+        >>> import jax.numpy as jnp, treeopt
+        >>> @treeopt.whole_leaf
+        ... def orthogonalize(g, steps=5):
+        ...     x = g / (jnp.linalg.norm(g) + 1e-7)
+        ...     for _ in range(steps):
+        ...         x = 1.5 * x - 0.5 * x @ x.T @ x
+        ...     return x
+        >>> orthogonalize(jnp.eye(2) * 3).tolist()   # off a mesh: the function itself
+        [[0.7071067690849304, 0.0], [0.0, 0.7071067690849304]]
+    """
+    if fn is None and module is None and name is None:
+        return functools.partial(
+            whole_leaf, leaf=leaf, dimension_numbers=dimension_numbers, cost=cost, transposable=transposable
+        )
+    options: dict[str, Any] = {
+        "leaf": leaf,
+        "dimension_numbers": dimension_numbers,
+        "cost": cost,
+        "transposable": transposable,
+    }
+    if fn is not None and (module is not None or name is not None):
+        raise TypeError("whole_leaf takes a function or module= and name=, not both.")
+    if fn is None:
+        return _register(module, name, **options)
+    if not callable(fn):
+        raise TypeError(f"whole_leaf takes a function, got {fn!r}.")
+    return _routed(_entry(fn, getattr(fn, "__qualname__", repr(fn)), **options))
+
+
+def _entry(
+    fn: Callable[..., Any],
+    what: str,
+    *,
+    leaf: str | None,
+    dimension_numbers: str | None,
+    cost: Callable[[int, int], float] | None,
+    transposable: bool,
+    module: str | None = None,
+    name: str | None = None,
+) -> WholeLeafFunction:
+    parameters = list(inspect.signature(fn).parameters)
+    if not parameters:
+        raise TypeError(f"whole_leaf: {what} takes no argument to read whole.")
+    leaf = parameters[0] if leaf is None else leaf
+    for option, argument in (("leaf", leaf), ("dimension_numbers", dimension_numbers)):
+        if argument is not None and argument not in parameters:
+            raise TypeError(
+                f"whole_leaf: {what} has no argument {argument!r} ({option}=); it takes {parameters}."
+            )
+    if cost is not None and not callable(cost):
+        raise TypeError(f"whole_leaf: cost must be a function (m, n) -> float, got {cost!r}.")
+    return WholeLeafFunction(fn, what, leaf, dimension_numbers, cost, module, name, bool(transposable))
+
+
+def _register(
+    module: str | None,
+    name: str | None,
+    *,
+    leaf: str | None = None,
+    dimension_numbers: str | None = None,
+    cost: Callable[[int, int], float] | None = None,
+    transposable: bool = False,
+    what: str | None = None,
+) -> Callable[..., Any]:
+    if not module or not name:
+        raise TypeError("whole_leaf: a function of another library is named by both module= and name=.")
     try:
-        return importlib.import_module(name)
-    except ImportError:  # an optax without it
-        return None
+        found = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as error:
+        raise ValueError(f"whole_leaf: no function {name!r} in module {module!r} ({error}).") from None
+    for entry, routed in _REGISTERED:
+        if entry.module == module and entry.name == name:
+            return routed
+    original = getattr(found, "__wrapped_by_treeopt__", found)
+    entry = _entry(
+        original, what or f"{module}.{name}", leaf=leaf, dimension_numbers=dimension_numbers, cost=cost,
+        transposable=transposable, module=module, name=name,
+    )  # fmt: skip
+    routed = _routed(entry)
+    _REGISTERED.append((entry, routed))
+    return routed
 
 
-MUON_NEWTON_SCHULZ = WholeLeafFunction(
-    module="optax.contrib._muon",
-    name="orthogonalize_via_newton_schulz",
-    what="Muon's Newton-Schulz orthogonalization",
-    leaf="x",
-    dimension_numbers="dimension_numbers",
-)
+def registered() -> list[WholeLeafFunction]:
+    """The functions of other libraries registered by module and name, optax's Newton-Schulz among them.
 
-WHOLE_LEAF: tuple[WholeLeafFunction, ...] = (MUON_NEWTON_SCHULZ,)
-"""The optax functions whose update of a leaf reads it whole."""
+    Example:
+        >>> [entry.name for entry in registered()]
+        ['orthogonalize_via_newton_schulz']
+    """
+    return [entry for entry, _ in _REGISTERED]
 
 
 @dataclasses.dataclass
 class Call:
     """One call of a whole-leaf function: its arguments, bound to the function's signature.
 
-    :meth:`compute` runs it as optax would; :meth:`matrices` and
-    :meth:`on_matrices` let an owner run it on a stack of matrices instead.
+    :meth:`compute` runs it as written; :meth:`on_matrices` lets an owner run
+    it on a stack of matrices instead.
     """
 
     entry: WholeLeafFunction
@@ -123,49 +251,43 @@ class Call:
         return self.arguments.arguments[self.entry.leaf]
 
     def compute(self, leaf: Any = None) -> Any:
-        """The call as optax makes it, on ``leaf`` instead of its own when given."""
-        original = self.entry.original()
-        assert original is not None
+        """The call as written, on ``leaf`` instead of its own when given."""
         arguments = dict(self.arguments.arguments)
         if leaf is not None:
             arguments[self.entry.leaf] = leaf
-        return original(**arguments)
+        return self.entry.original(**arguments)
 
     def key(self) -> tuple[Any, ...]:
-        """What calls must share to run as one: every argument but the leaf and its dimension numbers.
-
-        Arrays (Muon's coefficients, from the state) are told apart by identity.
-        """
-        out = []
+        """What calls must share to run as one: the function and every argument but the leaf and its dimension
+        numbers (arrays, such as Muon's coefficients, told apart by identity)."""
+        out: list[Any] = [id(self.entry)]
         for name, value in self.arguments.arguments.items():
-            if name in (self.entry.leaf, self.entry.dimension_numbers):
-                continue
-            out.append((name, id(value) if isinstance(value, jax.Array) else _hashable(value)))
-        return (self.entry.module, self.entry.name, *out)
+            if name not in (self.entry.leaf, self.entry.dimension_numbers):
+                out.append((name, id(value) if isinstance(value, jax.Array) else _hashable(value)))
+        return tuple(out)
+
+    def _dimension_numbers(self) -> Any:
+        name = self.entry.dimension_numbers
+        return None if name is None else self.arguments.arguments.get(name)
 
     def axes(self) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
         """``(batch, reduction, output)`` axes of the leaf: its batch axes hold independent matrices."""
-        shape = tuple(self.leaf.shape)
-        dims = self.arguments.arguments.get(self.entry.dimension_numbers)
+        ndim = len(self.leaf.shape)
+        dims = self._dimension_numbers()
         if dims is None:
-            if len(shape) != 2:
-                raise ValueError(f"{self.entry.what} takes a 2-d leaf without dimension numbers, got {shape}")
-            return (), (0,), (1,)
-        reduction = _normalized(dims.reduction_axis, len(shape))
-        output = _normalized(dims.output_axis, len(shape))
-        batch = tuple(a for a in range(len(shape)) if a not in reduction and a not in output)
+            if ndim < 2:
+                raise ValueError(
+                    f"{self.entry.what} reads a matrix, got a leaf of shape {tuple(self.leaf.shape)}"
+                )
+            return tuple(range(ndim - 2)), (ndim - 2,), (ndim - 1,)
+        reduction = _normalized(dims.reduction_axis, ndim)
+        output = _normalized(dims.output_axis, ndim)
+        batch = tuple(a for a in range(ndim) if a not in reduction and a not in output)
         return batch, reduction, output
 
     def matrix_shape(self) -> tuple[int, int, int]:
-        """``(matrices, m, n)``: how many independent matrices the leaf holds, each seen as ``(m, n)``, ``m <= n``.
-
-        A matrix with more rows than columns is seen transposed, as optax
-        orthogonalizes it: so both orientations of one shape stack together.
-        """
-        k, rows, cols = self._natural_shape()
-        return (k, min(rows, cols), max(rows, cols))
-
-    def _natural_shape(self) -> tuple[int, int, int]:
+        """``(matrices, m, n)``: how many independent matrices the leaf holds, each ``(m, n)`` (reduction rows,
+        output columns)."""
         shape = tuple(self.leaf.shape)
         batch, reduction, output = self.axes()
         return (
@@ -173,28 +295,6 @@ class Call:
             math.prod(shape[a] for a in reduction),
             math.prod(shape[a] for a in output),
         )
-
-    def _transposed(self) -> bool:
-        _, rows, cols = self._natural_shape()
-        return rows > cols
-
-    def matrices(self, leaf: Any = None) -> Any:
-        """The leaf as a ``(matrices, m, n)`` stack: batch axes first, then reduction and output (swapped where
-        there are more rows than columns)."""
-        leaf = self.leaf if leaf is None else leaf
-        batch, reduction, output = self.axes()
-        stack = jnp.transpose(leaf, (*batch, *reduction, *output)).reshape(self._natural_shape())
-        return jnp.swapaxes(stack, 1, 2) if self._transposed() else stack
-
-    def from_matrices(self, stack: Any) -> Any:
-        """The inverse of :meth:`matrices`: a ``(matrices, m, n)`` stack in the leaf's shape."""
-        if self._transposed():
-            stack = jnp.swapaxes(stack, 1, 2)
-        shape = tuple(self.leaf.shape)
-        batch, reduction, output = self.axes()
-        order = (*batch, *reduction, *output)
-        moved = stack.reshape(tuple(shape[a] for a in order))
-        return jnp.transpose(moved, tuple(order.index(a) for a in range(len(shape))))
 
     def arrays(self) -> dict[str, Any]:
         """The call's array arguments but the leaf (Muon's coefficients), by name."""
@@ -205,19 +305,24 @@ class Call:
         }
 
     def on_matrices(self, stack: Any, arrays: dict[str, Any] | None = None) -> Any:
-        """The call's function on a ``(k, m, n)`` stack of matrices like the leaf's, with its other arguments.
+        """The function on a ``(k, m, n)`` stack of matrices like the leaf's, with the call's other arguments.
 
         ``arrays`` replace its array arguments (:meth:`arrays`), as a function
-        mapped over devices takes them.
+        mapped over devices takes them. A function given dimension numbers
+        takes the stack whole; one without is mapped over it.
         """
         arguments = {**self.arguments.arguments, **(arrays or {})}
-        arguments[self.entry.leaf] = stack
-        arguments[self.entry.dimension_numbers] = optax.contrib.MuonDimensionNumbers(
-            reduction_axis=1, output_axis=2
-        )
-        original = self.entry.original()
-        assert original is not None
-        return original(**arguments)
+        dims = self._dimension_numbers()
+        if dims is not None:
+            arguments[self.entry.leaf] = stack
+            assert self.entry.dimension_numbers is not None
+            arguments[self.entry.dimension_numbers] = dims._replace(reduction_axis=1, output_axis=2)
+            return self.entry.original(**arguments)
+
+        def one(matrix: Any) -> Any:
+            return self.entry.original(**{**arguments, self.entry.leaf: matrix})
+
+        return jax.vmap(one)(stack)
 
 
 def _normalized(axes: int | Sequence[int], ndim: int) -> tuple[int, ...]:
@@ -238,59 +343,56 @@ _HANDLER: contextvars.ContextVar[Callable[[Call], Any] | None] = contextvars.Con
     "treeopt_whole_leaf_handler", default=None
 )
 _LOCK = threading.Lock()
-_INSTALLED: dict[WholeLeafFunction, int] = {}
+_OPEN = [0]  # handlers open in any thread: the registered stand-ins sit in their modules meanwhile
 
 
-def _wrapper(entry: WholeLeafFunction, original: Callable[..., Any]) -> Callable[..., Any]:
-    signature = inspect.signature(original)
+def _routed(entry: WholeLeafFunction) -> Callable[..., Any]:
+    signature = inspect.signature(entry.original)
 
+    @functools.wraps(entry.original)
     def routed(*args: Any, **kwargs: Any) -> Any:
         handler = _HANDLER.get()
         if handler is None:
-            return original(*args, **kwargs)
+            return entry.original(*args, **kwargs)
         arguments = signature.bind(*args, **kwargs)
         arguments.apply_defaults()
         return handler(Call(entry, arguments))
 
-    routed.__wrapped_by_treeopt__ = original  # type: ignore[attr-defined]
-    routed.__doc__ = original.__doc__
+    routed.__wrapped_by_treeopt__ = entry.original  # type: ignore[attr-defined]
+    routed.__treeopt_whole_leaf__ = entry  # type: ignore[attr-defined]
     return routed
 
 
 @contextlib.contextmanager
 def intercepted(handler: Callable[[Call], Any]) -> Iterator[None]:
-    """Within the block, every call of a function of :data:`WHOLE_LEAF` in this thread goes to ``handler``.
+    """Within the block, every call of a whole-leaf function in this thread goes to ``handler``.
 
-    ``handler(call)`` returns what the call returns. The functions are routed
-    through a wrapper while any such block is open (in any thread); a thread
-    with no open block runs them as optax wrote them.
+    ``handler(call)`` returns what the call returns. The registered functions
+    of other libraries are routed through their stand-ins while any such
+    block is open (in any thread); a thread with no open block runs them as
+    written.
     """
     with _LOCK:
-        for entry in WHOLE_LEAF:
-            original = entry.original()
-            if original is None:
-                continue
-            if _INSTALLED.get(entry, 0) == 0:
-                setattr(_module(entry.module), entry.name, _wrapper(entry, original))
-            _INSTALLED[entry] = _INSTALLED.get(entry, 0) + 1
+        if _OPEN[0] == 0:
+            for entry, routed in _REGISTERED:
+                setattr(importlib.import_module(entry.module or ""), entry.name or "", routed)
+        _OPEN[0] += 1
     token = _HANDLER.set(handler)
     try:
         yield
     finally:
         _HANDLER.reset(token)
         with _LOCK:
-            for entry in list(_INSTALLED):
-                _INSTALLED[entry] -= 1
-                if _INSTALLED[entry] == 0:
-                    del _INSTALLED[entry]
-                    original = entry.original()
-                    setattr(_module(entry.module), entry.name, original)
+            _OPEN[0] -= 1
+            if _OPEN[0] == 0:
+                for entry, _ in _REGISTERED:
+                    setattr(importlib.import_module(entry.module or ""), entry.name or "", entry.original)
 
 
 @contextlib.contextmanager
 def collected() -> Iterator[list[Call]]:
-    """Within the block, every call of a function of :data:`WHOLE_LEAF` is appended to the list it yields and
-    returns its leaf unchanged: an evaluation that only finds the calls (its results are discarded).
+    """Within the block, every call of a whole-leaf function is appended to the list it yields and returns its
+    leaf unchanged: an evaluation that only finds the calls.
 
     Example:
         >>> import jax.numpy as jnp, optax
@@ -308,3 +410,6 @@ def collected() -> Iterator[list[Call]]:
 
     with intercepted(record):
         yield calls
+
+
+register_whole_leaf_functions(_register)

@@ -56,7 +56,6 @@ import numpy as np
 import optax
 
 from treeopt._sharding.explicit import resharded_like
-from treeopt._sharding.ownership import owned_update
 from treeopt._step.rounding import is_float8, saturated, stochastic_round
 from treeopt._step.step_io import FlatStep, StepInputs, next_step
 
@@ -507,7 +506,7 @@ def precision_step(inputs: StepInputs, extra: Mapping[str, Any]) -> FlatStep:
     """
     precision, params, state = inputs.precision or AS_IS, inputs.params, inputs.precision_state
     if precision.option is None:
-        updates, new_state = owned_update(inputs.tx, inputs.grads, inputs.opt_state, params, extra, owned=inputs.owned)
+        updates, new_state = inputs.tx.update(inputs.grads, inputs.opt_state, params, **extra)
         output = applied(params, updates) if inputs.apply_updates else updates
         return FlatStep(next_step(inputs.step), new_state, output, state)
     wide = precision.widened(state, params)
@@ -518,7 +517,7 @@ def precision_step(inputs: StepInputs, extra: Mapping[str, Any]) -> FlatStep:
         seen = {k: wide[k] if k in wide else p for k, p in params.items()}
     else:  # tx reads the wide values, if every trained param has one
         seen = {k: wide[k] for k in inputs.grads} if set(inputs.grads) <= set(wide) else None
-    updates, new_state = owned_update(inputs.tx, grads, inputs.opt_state, seen, extra, owned=inputs.owned)
+    updates, new_state = inputs.tx.update(grads, inputs.opt_state, seen, **extra)
     new, new_held = precision.written(wide, updates, dtypes, state)
     out = {}
     for k in inputs.grads:

@@ -103,7 +103,6 @@ class StepInputs:
     apply_updates: bool = dataclasses.field(metadata={"static": True})
     static_extra: Any = dataclasses.field(metadata={"static": True})
     twin: bool = dataclasses.field(default=False, metadata={"static": True})
-    owned: Any = dataclasses.field(default=None, metadata={"static": True})
 
     @classmethod
     def of(
@@ -119,7 +118,6 @@ class StepInputs:
         apply_updates: bool = True,
         extra_args: Mapping[str, Any] | None = None,
         twin: bool = False,
-        owned: Any = None,
     ) -> StepInputs:
         """The inputs of one step; the extra arguments split into arrays (traced) and the rest (static).
 
@@ -128,16 +126,14 @@ class StepInputs:
         ``precision_state`` its state. Arrays and numbers among the extra
         arguments are inputs of the compiled step; anything else (a
         ``value_fn``, strings) is static. ``twin``: low-bit state takes its
-        block maxima from a twin evaluation of the step. ``owned``: whose
-        whole-leaf computations one owner device computes on a mesh, by name
-        (:func:`treeopt._sharding.ownership.owns`; ``None``: all).
+        block maxima from a twin evaluation of the step.
         """
         leaves, treedef = jax.tree.flatten(dict(extra_args or {}))
         dynamic = [strong(x) if isinstance(x, _DYNAMIC) else None for x in leaves]
         fixed = tuple(None if isinstance(x, _DYNAMIC) else x for x in leaves)
         return cls(
             step, opt_state, grads, params, precision_state, dynamic,
-            tx, precision, apply_updates, (treedef, fixed), twin, owned,
+            tx, precision, apply_updates, (treedef, fixed), twin,
         )  # fmt: skip
 
     def extra_args(self) -> dict[str, Any]:

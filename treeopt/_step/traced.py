@@ -22,6 +22,7 @@ import optax
 
 from treeopt._lowbit.state import decoded, encoded_after_step, has_quantized
 from treeopt._sharding.explicit import in_state_layout
+from treeopt._sharding.ownership import owning
 from treeopt._step.precision import Precision, narrower, precision_step
 from treeopt._step.step_io import FlatStep, StepInputs, strong
 from treeopt.typing import Params
@@ -173,7 +174,8 @@ def flat_step(
         precision_state: the state of ``precision`` (``opt.precision_state``):
             the master copies, the compensation buffers or the key.
         owned: on a mesh, whose whole-leaf matrices (Muon's) one owner
-            device computes (``opt.owned``; ``None``: all of them).
+            device computes (``opt.owned``; ``None``: all of them): ``tx``
+            runs wrapped by :func:`treeopt._sharding.ownership.owning`.
 
     Returns:
         A :class:`FlatStep` ``(step + 1, new opt_state, new params or updates,
@@ -188,12 +190,12 @@ def flat_step(
         (1, Array([0.5, 0.5], dtype=float32))
     """
     twin = twin_evaluation()
+    tx = owning(tx, owned)
 
     def inputs(extra: Mapping[str, Any] | None = None) -> StepInputs:
         return StepInputs.of(
             tx, step, opt_state, flat_grads, flat_params, precision=precision,
             precision_state=precision_state, apply_updates=apply_updates, extra_args=extra, twin=twin,
-            owned=owned,
         )  # fmt: skip
 
     if isinstance(step, jax.core.Tracer):

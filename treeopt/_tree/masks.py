@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from treeopt._tree.paths import leaf_names
 from treeopt.typing import Params, TreeFn
 
-__all__ = ["labels", "mask", "name_matcher"]
+__all__ = ["checked_globs", "labels", "mask", "name_matcher"]
 
 
 def name_matcher(patterns: str | Iterable[str], regex: bool = False) -> Callable[[str], bool]:
@@ -37,6 +37,40 @@ def name_matcher(patterns: str | Iterable[str], regex: bool = False) -> Callable
     if regex:
         return lambda name: any(c.search(name) for c in compiled)
     return lambda name: any(c.match(name) for c in compiled)
+
+
+def checked_globs(option: str, rules: Sequence[tuple[str, Any]], names: Sequence[str]) -> None:
+    """An error naming ``option`` if a glob of ``rules`` (``((glob, value), ...)``, the first match deciding)
+    matches no name, or only names an earlier glob already decides (it has no effect).
+
+    Example:
+        >>> checked_globs("owned", (("*", True), ("embed/*", False)), ["embed/table", "dense/kernel"])
+        Traceback (most recent call last):
+        ...
+        ValueError: owned: the glob 'embed/*' comes after '*', which already decides every name it matches (['embed/table']): it has no effect. Put the narrower glob first: owned={'embed/*': ..., '*': ...}.
+    """
+    matchers = [(glob, name_matcher(glob)) for glob, _ in rules]
+    unmatched = [glob for glob, match in matchers if not any(match(name) for name in names)]
+    if unmatched:
+        shown = ", ".join(repr(n) for n in list(names)[:8]) + (", ..." if len(names) > 8 else "")
+        raise ValueError(
+            f"{option}: the glob(s) {unmatched} match no trained parameter: a typo, or a name "
+            f"that changed? The parameters are {shown}. A glob matches whole '/'-separated names: "
+            "'encoder/*', '*kernel'."
+        )
+    deciding: dict[str, str] = {}  # name -> the glob that decides it
+    for glob, match in matchers:
+        matched = [name for name in names if match(name)]
+        if all(name in deciding for name in matched):
+            earlier = sorted({deciding[name] for name in matched}, key=[g for g, _ in matchers].index)
+            shown = ", ".join(repr(g) for g in earlier)
+            raise ValueError(
+                f"{option}: the glob {glob!r} comes after {shown}, which already decides every name it "
+                f"matches ({matched[:8]}): it has no effect. Put the narrower glob first: "
+                f"{option}={{{glob!r}: ..., {earlier[0]!r}: ...}}."
+            )
+        for name in matched:
+            deciding.setdefault(name, glob)
 
 
 def _map_names(fn: Callable[[str], Any], params: Params) -> Any:

@@ -36,7 +36,7 @@ import optax
 from treeopt._tree.layout import ParamLayout
 from treeopt._tree.nnx_graph import from_flat_state
 
-__all__ = ["StateKeys", "TreeView", "order_seen_by", "view_of"]
+__all__ = ["StateKeys", "TreeView", "view_of"]
 
 
 class StateKeys(NamedTuple):
@@ -204,23 +204,3 @@ def _is_leaf(x: Any) -> bool:
 def view_of(layout: ParamLayout) -> TreeView:
     """The view of ``layout``'s params that ``tx`` sees (one per layout, so that it is static data)."""
     return TreeView(layout)
-
-
-def order_seen_by(tx: Any) -> tuple[str, ...] | None:
-    """The names in the order ``tx`` meets the params' leaves, where it sees a view; ``None``: a flat dict's.
-
-    A list of eleven layers is ``layers/0``, ``layers/1``, ..., ``layers/10`` in
-    the params and in the view, but ``layers/10`` comes before ``layers/2``
-    among the keys of the flat dict.
-
-    Example:
-        >>> import jax.numpy as jnp, optax
-        >>> from treeopt._step.viewed import over_names
-        >>> from treeopt._tree.layout import ParamLayout
-        >>> layout = ParamLayout.of({"layers": [jnp.ones(2)] * 11})
-        >>> order_seen_by(over_names(optax.sgd(1.0), layout))[:3]
-        ('layers/0', 'layers/1', 'layers/2')
-    """
-    owner = getattr(getattr(tx, "update", None), "__self__", None)
-    view = getattr(owner, "view", None)
-    return view.order if isinstance(view, TreeView) else None
