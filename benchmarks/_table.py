@@ -44,6 +44,8 @@ NOTES: dict[str, Sequence[tuple[str, str]]] = {
         ("collectives_in_loops", "{} in loops"),
         ("bytes_vs_params", "moved {:.2f}x params"),
         ("flops_vs_one_device", "FLOPs/device x one device {:.3f}"),
+        ("remat_warnings", "{} remat warnings"),
+        ("max_abs_diff_to_one_device", "max |diff| {:.1e}"),
         ("error", "{}"),
     ),
     "gpu_muon": (("time_vs_adamw", "x AdamW {:.2f}"), ("matrices", "{} matrices"), ("device", "{}")),

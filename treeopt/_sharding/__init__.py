@@ -11,10 +11,14 @@
 - ``explicit``: under JAX's explicit axes, values resharded to the sharding
   of the value they replace or meet (the new params to the types of the
   params given to ``update``, the grads to their state's layout).
-- ``whole_leaf``: the one home of the optax functions whose update reads a
-  leaf whole (Muon's Newton-Schulz), and the routing of their calls.
-- ``ownership``: on a mesh, each such matrix computed by one owner device,
-  owners balanced by cost; what ``zero_report`` lists of them.
+- ``whole_leaf``: ``treeopt.whole_leaf``, the marking of functions whose
+  result reads a leaf whole (Muon's Newton-Schulz, registered from
+  ``_compat``, or a user's own), and the routing of their calls.
+- ``ownership``: the wrapper that, on a mesh, has each such matrix computed
+  by one owner device: calls matched to params by data flow, owners
+  balanced by cost; what ``zero_report`` lists of them.
+- ``exchange``: the owners' exchange itself: stacks, one all-to-all over the
+  axes that split the matrices, the per-device computation, and back.
 
 May import: ``treeopt._compat``, ``treeopt._tree``, ``treeopt.errors``,
 ``treeopt.typing``. It is handed the state's parts and the layout, never the

@@ -72,9 +72,11 @@ def layout_of(call: Call, mesh: Any) -> Layout | None:
     """The mesh axes splitting each of the leaf's dimensions, batch first, then reduction, then output axes;
     ``None`` where the exchange cannot take it (a batch axis after the first is split).
 
-    Under explicit axes the leaf's type says; under auto axes it is taken as ZeRO-1 lays a state leaf out
-    over all the mesh's devices: a stacked leaf's layers where they divide, else its largest dimension they
-    divide (the first of equals), else whole.
+    Under explicit axes the leaf's type says. Under auto axes the compiler does not say where a traced
+    value lies: the leaf is taken as ZeRO-1 lays a state leaf out over all the mesh's devices (a stacked
+    leaf's layers where they divide, else its largest dimension they divide, the first of equals), and the
+    compiler moves it there if it lies elsewhere. (Laying the stacks out for the compiler to fill instead
+    moves more: it gathers leaves whose layouts differ before stacking them.)
     """
     batch, reduction, output = call.axes()
     order = (*batch, *reduction, *output)
