@@ -246,13 +246,16 @@ def test_calls_are_matched_by_the_gradient_they_compute_from_not_by_shape():
     labels = {"a_kernel": "adam", "b_kernel": "muon", "c_kernel": "muon2", "d_stack": "muon"}
     matrix = optax.contrib.MuonDimensionNumbers()
     dims = {"a_kernel": None, "b_kernel": matrix, "c_kernel": None, "d_stack": None}  # d_stack: Muon's Adam
-    tx = optax.multi_transform(
-        {
-            "adam": optax.adam(1e-3),
-            "muon": optax.contrib.muon(1e-2, muon_weight_dimension_numbers=dims),
-            "muon2": optax.contrib.muon(2e-2),
-        },
-        labels,
+    tx = optax.chain(
+        optax.clip_by_global_norm(1.0),  # every clipped gradient reads every gradient's norm
+        optax.multi_transform(
+            {
+                "adam": optax.adam(1e-3),
+                "muon": optax.contrib.muon(1e-2, muon_weight_dimension_numbers=dims),
+                "muon2": optax.contrib.muon(2e-2),
+            },
+            labels,
+        ),
     )
     mesh = mesh_of("explicit")
     opt = treeopt.Optimizer(tx, owned={"b_kernel": False}).init(params)
@@ -373,7 +376,7 @@ def test_the_owners_sharding_leaves_the_params_sharding_to_the_params():
     shapes, specs = transformer(d=16, layers=1)
     params = make_params(shapes)
     mesh = mesh_of("explicit", (4, 2), ("data", "model"))
-    got, opt, _ = on_mesh(optax.contrib.muon(1e-2), params, mesh, specs, 1)
+    got, _, _ = on_mesh(optax.contrib.muon(1e-2), params, mesh, specs, 1)
     assert {name: x.sharding for name, x in got.items()} == {
         name: NamedSharding(mesh, spec) for name, spec in specs.items()
     }

@@ -253,7 +253,7 @@ def test_owned_false_leaves_the_matrices_to_optax_by_name_or_all(axis_type):
     where = {leaf.param: leaf.owners for leaf in report.owned}
     assert where["layer0/kernel"] == where["layer1/kernel"] == ()
     assert sorted(d for name, devices in where.items() for d in devices) == list(range(6))
-    assert "layer0/kernel  (64, 64)         every device (owned=False)" in str(report)
+    assert "layer0/kernel  (64, 64)         every device (not owned)" in str(report)
 
 
 def test_owned_is_checked_and_named():

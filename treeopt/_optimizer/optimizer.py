@@ -106,10 +106,10 @@ class Optimizer:
             at ``init``, split every step), an integer in [0, 2**32). ``None``
             (default): 0, the same draws in every run. Refused with any other
             ``param_rounding``, where nothing would draw from it.
-        owned: on a mesh, each matrix an update reads whole (Muon's) is
-            computed by one owner device: ``True`` (default), ``False`` (as
-            optax alone computes them), or ``{glob: bool}`` by parameter
-            name, the first matching glob deciding (none: owned).
+        owned: on a mesh, each matrix an update reads whole (Muon's, or a
+            ``treeopt.whole_leaf`` function's) is computed by one owner: ``True``
+            (default), ``False`` (as written), or ``{glob: bool}`` by param
+            name, the first match deciding, checked as ``state_bits`` globs.
         **fields: only for JAX, which rebuilds an optimizer from its fields
             (``jax.tree_util.register_dataclass``); never needed in user code.
 

@@ -224,7 +224,7 @@ class ZeroReport:
             for owned in self.owned:
                 m, n = owned.shape
                 held = f"{owned.matrices} x ({m}, {n})" if owned.matrices > 1 else f"({m}, {n})"
-                where = _devices(owned.owners) if owned.owners else "every device (owned=False)"
+                where = _devices(owned.owners) if owned.owners else "every device (not owned)"
                 lines.append(f"  {owned.param!s:<{name_width}}  {held:<16} {where}  ({owned.what})")
         return "\n".join(lines)
 
