@@ -162,9 +162,12 @@ def test_model_sharded_bf16_params_are_owned_with_their_precision(axis_type, pre
                 rtol=2**-7,
                 err_msg=name,
             )
-    # The float32 masters and momenta beneath the bf16 params, as one device holds them.
+    # The float32 masters and momenta beneath the bf16 params, as one device holds them. Without masters
+    # a param one rounding apart (above) feeds its next grad, sin(k p), up to k bf16 ulps apart, and the
+    # momentum with it.
+    rtol = RTOL if precision == "master" else 2**-6
     for a, b in zip(jax.tree.leaves(mine), jax.tree.leaves(theirs), strict=True):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=RTOL, atol=ATOL)
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=rtol, atol=ATOL)
     reference = jax.jit(step).lower(params, treeopt.Optimizer(tx, **options).init(params), params).compile()
     ratio = program.flops / _hlo.read(reference).flops
     assert ratio < 0.2, ratio  # an eighth of the matrices a device: owned across both axes, not per model shard

@@ -134,11 +134,14 @@ def owner_of(path, names):
     return keys[-1] if keys else None
 
 
-def check_zero_rule(opt, base, zero, axes, sizes):
+def check_zero_rule(opt, base, zero, axes, sizes, owned=()):
     """Each leaf: unchanged, or the base spec plus the axes it lacks on its largest free dimension they
     divide; where no free dimension takes them, joined to the axes of the sharded dimension whose
-    per-device slice stays largest."""
+    per-device slice stays largest. An owned param's leaves shaped like it (``owned``: the params whose
+    matrices an owner computes, on an auto-axes mesh): all the mesh's axes on its largest dimension they
+    divide, the last of equals, where the owners' exchange takes them to lie."""
     names = set(opt.paths)
+    shapes = {name: tuple(shape) for name, (shape, _) in zip(opt.layout.names, opt.layout.avals, strict=True)}
     flat = jax.tree_util.tree_flatten_with_path(opt.opt_state)[0]
     base_leaves, zero_leaves = jax.tree.leaves(base.opt_state), jax.tree.leaves(zero.opt_state)
     assert len(flat) == len(base_leaves) == len(zero_leaves)
@@ -163,6 +166,13 @@ def check_zero_rule(opt, base, zero, axes, sizes):
             and math.prod(shape) > 0
             and (fits or joins)
         )
+        param = owner_of(path, names)
+        if param in owned and shape == shapes[param]:
+            devices = math.prod(sizes.values())
+            dim = max((d for d in range(len(shape)) if shape[d] % devices == 0), key=lambda d: (shape[d], d))
+            assert zp == [None] * dim + [tuple(sizes)] + [None] * (len(shape) - dim - 1), f"{where}: {z}"
+            split += 1
+            continue
         if not eligible:
             assert zp == bp, f"{where} {shape}: {b} became {z}"
             continue
@@ -189,7 +199,10 @@ def test_every_transformation_follows_the_rule(name):
     for over in ("data", "model", ("data", "model")):
         zero = optimizer_specs(opt, PARITY_PARAM_SPECS, shard_state_over=over, mesh=mesh)
         axes = (over,) if isinstance(over, str) else over
-        check_zero_rule(opt, base, zero, axes, dict(mesh.shape))
+        report = zero_report(opt, PARITY_PARAM_SPECS, mesh, over)
+        owned = {leaf.param for leaf in report.owned if leaf.owners}
+        assert bool(owned) == (name == "muon"), owned
+        check_zero_rule(opt, base, zero, axes, dict(mesh.shape), owned)
         for spec in jax.tree.leaves(zero):
             NamedSharding(mesh, spec)  # a valid sharding: no axis used twice
 

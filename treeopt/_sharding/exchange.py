@@ -50,7 +50,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from treeopt._sharding.explicit import is_explicit
 from treeopt._sharding.whole_leaf import Call
 
-__all__ = ["layout_of", "owned_results", "spec_of"]
+__all__ = ["layout_of", "owned_dim", "owned_results", "spec_of"]
 
 Layout = tuple[tuple[str, ...], ...]
 """The mesh axes that split each dimension of an array, in order (``()``: whole)."""
@@ -68,15 +68,34 @@ def _axes(entry: Any) -> tuple[str, ...]:
     return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
+def owned_dim(shape: Sequence[int], batch_axes: Sequence[int], devices: int) -> int | None:
+    """The dimension an owned leaf's state is split on, over all the mesh's axes in their order, under ZeRO-1
+    on auto axes: a stacked leaf's layers where they divide, else its largest dimension they divide (the
+    last of equals: the columns of a square matrix).
+
+    Shared by the ZeRO-1 plan and the exchange: under auto axes the step cannot read where a value lies,
+    so the two agree on it instead. The compiler then moves each update from there to its param's layout
+    with an all-to-all and an all-gather, for a param split by rows or by columns alike. ``None``: no
+    dimension divides.
+
+    Example:
+        >>> owned_dim((256, 64), (), 8), owned_dim((6, 64, 64), (0,), 8), owned_dim((8, 64, 64), (0,), 8)
+        (0, 2, 0)
+    """
+    for dims in (tuple(batch_axes)[:1], range(len(shape))):
+        fits = [d for d in dims if shape[d] % devices == 0]
+        if fits:
+            return max(fits, key=lambda d: (shape[d], d))
+    return None
+
+
 def layout_of(call: Call, mesh: Any) -> Layout | None:
     """The mesh axes splitting each of the leaf's dimensions, batch first, then reduction, then output axes;
     ``None`` where the exchange cannot take it (a batch axis after the first is split).
 
     Under explicit axes the leaf's type says. Under auto axes the compiler does not say where a traced
-    value lies: the leaf is taken as ZeRO-1 lays a state leaf out over all the mesh's devices (a stacked
-    leaf's layers where they divide, else its largest dimension they divide, the first of equals), and the
-    compiler moves it there if it lies elsewhere. (Laying the stacks out for the compiler to fill instead
-    moves more: it gathers leaves whose layouts differ before stacking them.)
+    value lies: the leaf is taken to lie where ZeRO-1 puts an owned param's state (:func:`owned_dim`, all
+    the mesh's axes on one dimension), and the compiler moves it there if it lies elsewhere.
     """
     batch, reduction, output = call.axes()
     order = (*batch, *reduction, *output)
@@ -85,14 +104,10 @@ def layout_of(call: Call, mesh: Any) -> Layout | None:
         spec = list(spec_of(call.leaf)) + [None] * (len(shape) - len(spec_of(call.leaf)))
         by_dim = [_axes(spec[d]) for d in order]
     else:
-        devices = math.prod(mesh.shape.values())
         by_dim = [() for _ in order]
-        for dims in (batch[:1], order):
-            fits = [d for d in dims if shape[d] % devices == 0]
-            if fits:
-                dim = max(fits, key=lambda d: (shape[d], -d))
-                by_dim[order.index(dim)] = tuple(mesh.axis_names)
-                break
+        dim = owned_dim(shape, batch, math.prod(mesh.shape.values()))
+        if dim is not None:
+            by_dim[order.index(dim)] = tuple(mesh.axis_names)
     if any(by_dim[1 : len(batch)]):
         return None
     return tuple(by_dim)

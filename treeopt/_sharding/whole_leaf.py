@@ -149,7 +149,7 @@ def whole_leaf(
         ...         x = 1.5 * x - 0.5 * x @ x.T @ x
         ...     return x
         >>> orthogonalize(jnp.eye(2) * 3).tolist()   # off a mesh: the function itself
-        [[0.7071067690849304, 0.0], [0.0, 0.7071067690849304]]
+        [[1.0, 0.0], [0.0, 1.0]]
     """
     if fn is None and module is None and name is None:
         return functools.partial(

@@ -26,6 +26,8 @@ from treeopt._sharding.specs import (
     spec_of_entries,
     state_leaf_specs,
 )
+from treeopt._sharding.exchange import owned_dim
+from treeopt._sharding.explicit import is_explicit
 from treeopt._tree.layout import ParamLayout
 
 NOT_PARAM_OWNED = "not param-owned"
@@ -372,6 +374,7 @@ def zero_plan(
         leaf.param: list(leaf.batch_axes) for leaf in whole if leaf.param is not None and leaf.batch_axes
     }
     preferred = _preferred_dims(planned, shapes, param_specs, axes, sizes, layers)
+    owned = {} if is_explicit(mesh) else _owned_specs(planned, shapes, whole, sizes)
     for part, tree in parts.items():
         treedefs[part] = jax.tree.structure(tree)
         for path, leaf, param, spec in planned[part]:
@@ -386,6 +389,8 @@ def zero_plan(
                 zero_spec, dim, reason = spec, None, NOT_PARAM_OWNED
             elif dtype is None or not jax.numpy.issubdtype(dtype, jax.numpy.inexact):
                 zero_spec, dim, reason = spec, None, NOT_FLOATING
+            elif param in owned and shape == shapes.get(param):
+                zero_spec, dim, reason = owned[param]
             else:
                 zero_spec, dim, reason = zero_leaf_spec(shape, spec, axes, sizes)
                 if param in preferred and shape == shapes.get(param):
@@ -397,6 +402,29 @@ def zero_plan(
             where = part + jax.tree_util.keystr(path)
             out.append(ZeroLeaf(where, param, shape, dtype, spec, zero_spec, dim, reason))
     return treedefs, ZeroReport(axes, sizes, tuple(out), tuple(whole))
+
+
+def _owned_specs(
+    planned: Mapping[str, Sequence[Any]],
+    shapes: Mapping[str, Shape],
+    whole: Sequence[Any],
+    sizes: Mapping[str, int],
+) -> dict[str, ZeroLeafSpec]:
+    """``{param: spec}`` of the owned params on auto axes: their state shaped like them split over all the
+    mesh's devices on one dimension (:func:`treeopt._sharding.exchange.owned_dim`), where the owners'
+    exchange takes it to lie, since under auto axes the step cannot read a value's layout (under explicit
+    axes it reads the type, and ZeRO's own rule stands). A param with low-bit state keeps ZeRO's rule: its
+    codes' blocks decide where they may be split."""
+    lowbit = {param for leaves in planned.values() for _, leaf, param, _ in leaves if is_self_specified(leaf)}
+    names, devices = tuple(sizes), math.prod(sizes.values())
+    out = {}
+    for leaf in whole:
+        if leaf.param is None or not leaf.owners or leaf.param in lowbit or leaf.param not in shapes:
+            continue
+        dim = owned_dim(shapes[leaf.param], leaf.batch_axes, devices)
+        if dim is not None:
+            out[leaf.param] = ZeroLeafSpec(PartitionSpec(*([None] * dim), names), dim, None)
+    return out
 
 
 def _preferred_dims(
