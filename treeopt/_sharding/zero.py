@@ -19,6 +19,8 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec
 
+from treeopt._sharding.exchange import owned_dim
+from treeopt._sharding.explicit import is_explicit
 from treeopt._sharding.specs import (
     Shape,
     axis_names_of,
@@ -26,8 +28,6 @@ from treeopt._sharding.specs import (
     spec_of_entries,
     state_leaf_specs,
 )
-from treeopt._sharding.exchange import owned_dim
-from treeopt._sharding.explicit import is_explicit
 from treeopt._tree.layout import ParamLayout
 
 NOT_PARAM_OWNED = "not param-owned"
