@@ -429,7 +429,7 @@ def owning(
         ...
         ValueError: owned: the glob 'up' comes after '*', which already decides every name it matches (['up']): it has no effect. Put the narrower glob first: owned={'up': ..., '*': ...}.
     """
-    if owned is not None and names is not None:
+    if owned is not None and names:
         checked_globs("owned", owned, names)
 
     def update(updates: Any, state: Any, params: Any = None, **extra: Any) -> tuple[Any, Any]:

@@ -173,9 +173,8 @@ def flat_step(
             their dtype). ``None``: every param as it is.
         precision_state: the state of ``precision`` (``opt.precision_state``):
             the master copies, the compensation buffers or the key.
-        owned: on a mesh, whose whole-leaf matrices (Muon's) one owner
-            device computes (``opt.owned``; ``None``: all of them): ``tx``
-            runs wrapped by :func:`treeopt._sharding.ownership.owning`.
+        owned: on a mesh, whose whole-leaf matrices one owner device computes
+            (``opt.owned``; ``None``: all): ``tx`` runs wrapped by ``owning``.
 
     Returns:
         A :class:`FlatStep` ``(step + 1, new opt_state, new params or updates,
