@@ -136,9 +136,10 @@ def whole_leaf(
             ``f(x.T) == f(x).T`` (an orthogonalization does): a matrix may be
             computed as its transpose, so row- and column-split matrices of a
             shape travel together.
-        module, name: instead of ``fn``, a function of another library that
-            its own code calls by this module-level name: its calls are
-            routed while an update traces.
+        module: instead of ``fn``, the module of another library's function
+            that its own code calls by a module-level name (with ``name``):
+            its calls are routed while an update traces.
+        name: that function's name in ``module``.
 
     Example:
         >>> import jax.numpy as jnp, treeopt
