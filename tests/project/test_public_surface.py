@@ -9,12 +9,15 @@
   the core only public ``__all__`` names or ``treeopt.internal``.
 - No module of ``treeopt`` reaches into another object's private members;
   no module is over 600 lines, no function over 80.
+- The private names of optax, JAX and flax (private modules, private
+  members) appear only in their homes in ``treeopt/_compat/``.
 """
 
 from __future__ import annotations
 
 import ast
 import importlib
+import re
 import warnings
 from pathlib import Path
 
@@ -180,10 +183,13 @@ MAY_IMPORT = {
 }
 # Public modules a wing may import besides the foundations: the optimizer reads hyperparameters.
 MAY_IMPORT_FACES = {"_optimizer": {"treeopt.hyperparams"}}
-# The one module allowed to touch JAX private APIs.
-JAX_PRIVATE = PACKAGE / "_compat" / "jax_private.py"
-# The homes of other libraries' private members: JAX's, and optax's (read by name, never reached into).
-PRIVATE_HOMES = {JAX_PRIVATE, PACKAGE / "_compat" / "optax_private.py"}
+# The libraries whose private names (a module or member whose name starts with "_") treeopt may read: each
+# library's only in its home, treeopt/_compat/<library>_private.py. jaxlib, JAX's compiled half, is private
+# whole, and its home is JAX's.
+PRIVATE_LIBRARIES = ("jax", "jaxlib", "optax", "flax")
+COMPAT = PACKAGE / "_compat"
+# The homes there are: of JAX's private APIs, and of optax's private names (read by name, never reached into).
+PRIVATE_HOMES = set(COMPAT.glob("*_private.py"))
 
 
 def _treeopt_imports(path: Path) -> list[str]:
@@ -242,20 +248,86 @@ def test_no_module_below_the_faces_imports_the_package_face_or_the_optimizer():
     assert not offending
 
 
-def test_jax_private_apis_live_in_one_module():
-    offending = []
-    for path in _modules():
-        if path == JAX_PRIVATE:
-            continue
-        for node in ast.walk(_parsed(path)):
-            names = []
-            if isinstance(node, ast.Import):
-                names = [alias.name for alias in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.module:
-                names = [node.module]
-            if any(name.startswith(("jax._src", "jaxlib")) for name in names):
-                offending.append(f"{path.relative_to(PACKAGE)}:{node.lineno}")
+def _private_home(library: str) -> Path:
+    return COMPAT / f"{'jax' if library == 'jaxlib' else library}_private.py"
+
+
+_DOTTED_NAME = re.compile(rf"(?<![\w.])(?:{'|'.join(PRIVATE_LIBRARIES)})(?:\.\w+)+")
+
+
+def _is_private(name: str) -> bool:
+    """Whether a dotted name is private to its library: one of its segments starts with "_" (a dunder such as
+    ``__version__`` is public), or it is jaxlib's."""
+    top, *segments = name.split(".")
+    return top in PRIVATE_LIBRARIES and (
+        top == "jaxlib"
+        or any(s.startswith("_") and not (s.startswith("__") and s.endswith("__")) for s in segments)
+    )
+
+
+def _dotted(node: ast.expr) -> str | None:
+    """``a.b.c`` for an attribute chain off a name, else ``None``."""
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        base = _dotted(node.value)
+        return None if base is None else f"{base}.{node.attr}"
+    return None
+
+
+def _private_names(tree: ast.Module) -> list[tuple[int, str]]:
+    """``(line, name)`` of each private name of :data:`PRIVATE_LIBRARIES` that ``tree`` imports, names in a
+    string (a docstring, a module path for importlib) or reaches as an attribute (``optax._src.alias``)."""
+    found = []
+    for node in ast.walk(tree):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names = [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            names = _DOTTED_NAME.findall(node.value)
+        elif isinstance(node, ast.Attribute) and node.attr.startswith("_"):
+            names = [name] if (name := _dotted(node)) is not None else []
+        found += [(node.lineno, name) for name in names if _is_private(name)]
+    return found
+
+
+def test_other_libraries_private_names_live_in_their_homes_in_compat():
+    """A private module of optax, JAX or flax (``optax._src.transform``, ``jax._src.core``, any of jaxlib) is
+    imported or named only in its library's home in treeopt/_compat/, so a release that moves it breaks one
+    file, whose tests (tests/project/test_private_names.py) say which name moved."""
+    offending = [
+        f"{path.relative_to(PACKAGE)}:{line} {name}"
+        for path in _modules()
+        for line, name in _private_names(_parsed(path))
+        if path != _private_home(name.split(".")[0])
+    ]
     assert not offending
+
+
+def test_the_private_name_rule_finds_each_way_of_naming_one():
+    source = """
+import jaxlib.xla_client
+from jax._src import core
+from optax.contrib import _muon
+import optax, flax
+TABLE = {("optax._src.transform", "ScaleByRmsWithCountState"): 1}
+LINES = "optax.contrib._ademamix ScaleBySimplifiedAdEMAMixState m: ..."
+alias = optax._src.alias
+layer = flax.nnx._private_member
+public = ("optax.contrib", "jax.numpy", flax.__version__, "treeopt._compat.optax_private", "jax.__version__")
+"""
+    assert {name for _, name in _private_names(ast.parse(source))} == {
+        "jaxlib.xla_client",
+        "jax._src",
+        "jax._src.core",
+        "optax.contrib._muon",
+        "optax._src.transform",
+        "optax.contrib._ademamix",
+        "optax._src",
+        "flax.nnx._private_member",
+    }
 
 
 def test_no_getattr_reaches_a_private_member():

@@ -19,7 +19,7 @@ from typing import Any
 import jax
 import numpy as np
 
-__all__ = ["abstract_key_impl", "current_trace", "trace_of", "weakly_typed"]
+__all__ = ["abstract_key_impl", "current_trace", "eager_or_autodiff", "trace_of", "weakly_typed"]
 
 
 def current_trace() -> Any:
@@ -33,6 +33,29 @@ def current_trace() -> Any:
         return jax_core.trace_ctx.trace
     except (ImportError, AttributeError):  # pragma: no cover - other JAX versions
         return None
+
+
+# JAX's traces of eager evaluation and of eager jax.grad / jvp / linearize, named by class: JAX gives
+# them no public type.
+_EAGER_OR_AUTODIFF = frozenset({"EvalTrace", "JVPTrace", "LinearizeTrace"})
+
+
+def eager_or_autodiff(trace: Any) -> bool:
+    """Whether ``trace`` (a :func:`current_trace`) is eager evaluation or an eager autodiff trace.
+
+    Those are the traces under which updating a concrete optimizer in place is
+    sound (``jax.grad`` of a function holding it, outside ``jit``). Fallback on
+    a JAX whose classes have other names: ``False``, so the capture guards
+    refuse instead of letting a tracer leak.
+
+    Example:
+        >>> import jax
+        >>> seen = []
+        >>> _ = jax.jit(lambda x: seen.append(eager_or_autodiff(current_trace())) or x)(1.0)
+        >>> eager_or_autodiff(current_trace()), seen
+        (True, [False])
+    """
+    return type(trace).__name__ in _EAGER_OR_AUTODIFF
 
 
 def trace_of(tracer: Any) -> Any:

@@ -1,4 +1,4 @@
-"""The one home of optax's private members treeopt reads: each function says what it stands in for.
+"""The one home of optax's private names treeopt reads: each says what it stands in for.
 
 ``optax.MultiSteps`` takes its inner transformation and settings at
 construction and keeps them as private attributes, with no public way to
@@ -10,11 +10,35 @@ optax defines it in a private module and calls it there by name, so it is
 registered here, by module and name, as a whole-leaf function
 (:func:`register_whole_leaf_functions`).
 
+The low-bit state's tables (``treeopt._lowbit.statistics``) name each state
+type by the module that defines it, and optax defines some in private
+modules, named here:
+
+- :data:`OPTAX_TRANSFORM`: ``optax._src.transform``, the module of optax's
+  ``scale_by_*`` transformations and their states. Some of them optax does
+  not export at all (``ScaleByRmsWithCountState``,
+  ``ScaleByRStdDevWithCountState``, ``ScaleByOptimisticGradientState``);
+  the others it also exports as ``optax.<name>``.
+- :data:`OPTAX_FACTORIZED`: ``optax._src.factorized``, where Adafactor's
+  ``FactoredState`` is defined (exported too, as ``optax.FactoredState``).
+- :data:`OPTAX_ADEMAMIX`: ``optax.contrib._ademamix``, where the AdEMAMix
+  states are defined (``ScaleBySimplifiedAdEMAMixState`` among them, exported
+  too, in ``optax.contrib``).
+
+:data:`OPTAX_STATE_MODULES` holds these three. The docs' table of the
+low-bit state lists every optax optimizer: the functions optax defines in
+``optax._src.alias`` (:data:`OPTAX_ALIAS`, :func:`is_optax_alias`), as
+opposed to its building blocks (``optax.scale_by_adam``, ``optax.chain``).
+
 Example:
-    >>> import optax
+    >>> import importlib, optax
     >>> parts = multi_steps_parts(optax.MultiSteps(optax.sgd(0.1), every_k_schedule=4))
     >>> parts.every_k_schedule(0), parts.use_grad_mean
     (4, True)
+    >>> importlib.import_module(OPTAX_TRANSFORM).ScaleByRmsWithCountState._fields
+    ('count', 'nu')
+    >>> is_optax_alias(optax.adam), is_optax_alias(optax.scale_by_adam)
+    (True, False)
 """
 
 from __future__ import annotations
@@ -24,7 +48,41 @@ from typing import Any, NamedTuple
 
 import optax
 
-__all__ = ["OPTAX_WHOLE_LEAF", "MultiStepsParts", "multi_steps_parts", "register_whole_leaf_functions"]
+__all__ = [
+    "OPTAX_ADEMAMIX",
+    "OPTAX_ALIAS",
+    "OPTAX_FACTORIZED",
+    "OPTAX_STATE_MODULES",
+    "OPTAX_TRANSFORM",
+    "OPTAX_WHOLE_LEAF",
+    "MultiStepsParts",
+    "is_optax_alias",
+    "multi_steps_parts",
+    "register_whole_leaf_functions",
+]
+
+OPTAX_TRANSFORM = "optax._src.transform"
+"""The private module of optax's ``scale_by_*`` transformations and their states."""
+OPTAX_FACTORIZED = "optax._src.factorized"
+"""The private module that defines Adafactor's ``FactoredState``."""
+OPTAX_ADEMAMIX = "optax.contrib._ademamix"
+"""The private module of ``optax.contrib``'s AdEMAMix states (``ScaleBySimplifiedAdEMAMixState``)."""
+OPTAX_STATE_MODULES = (OPTAX_TRANSFORM, OPTAX_FACTORIZED, OPTAX_ADEMAMIX)
+"""The private modules of optax that define the state types the low-bit tables name."""
+OPTAX_ALIAS = "optax._src.alias"
+"""The private module of optax's optimizers (``optax.adam``, ``optax.sgd``, ...), its aliases."""
+
+
+def is_optax_alias(function: Any) -> bool:
+    """Whether ``function`` is one of optax's optimizers, defined in :data:`OPTAX_ALIAS`, not a building block.
+
+    Example:
+        >>> import optax
+        >>> is_optax_alias(optax.sgd), is_optax_alias(optax.chain)
+        (True, False)
+    """
+    return (getattr(function, "__module__", None) or "").startswith(OPTAX_ALIAS)
+
 
 OPTAX_WHOLE_LEAF: tuple[dict[str, Any], ...] = (
     {

@@ -48,6 +48,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from treeopt._compat.optax_private import OPTAX_ADEMAMIX, OPTAX_FACTORIZED, OPTAX_TRANSFORM, is_optax_alias
+
 __all__ = [
     "FULL_PRECISION",
     "STATISTICS",
@@ -62,24 +64,25 @@ __all__ = [
 
 SIGNED, UNSIGNED = "signed", "unsigned"
 
-# (module, state type): {field: map}. Types are looked up by name, so an optax without one still imports.
+# (module, state type): {field: map}. Types are looked up by name, so an optax without one still imports;
+# those defined in optax's private modules are keyed by the module names of treeopt._compat.optax_private.
 STATISTICS: dict[tuple[str, str], dict[str, str]] = {
     ("optax", "ScaleByAdamState"): {"mu": SIGNED, "nu": UNSIGNED},
     ("optax", "ScaleByAmsgradState"): {"mu": SIGNED, "nu": UNSIGNED, "nu_max": UNSIGNED},
     ("optax", "ScaleByBeliefState"): {"mu": SIGNED, "nu": UNSIGNED},
     ("optax", "ScaleByLionState"): {"mu": SIGNED},
     ("optax", "ScaleByRmsState"): {"nu": UNSIGNED},
-    ("optax._src.transform", "ScaleByRmsWithCountState"): {"nu": UNSIGNED},
+    (OPTAX_TRANSFORM, "ScaleByRmsWithCountState"): {"nu": UNSIGNED},
     ("optax", "ScaleByRssState"): {"sum_of_squares": UNSIGNED},
-    ("optax._src.transform", "ScaleByAdaDeltaState"): {"e_g": UNSIGNED, "e_x": UNSIGNED},
+    (OPTAX_TRANSFORM, "ScaleByAdaDeltaState"): {"e_g": UNSIGNED, "e_x": UNSIGNED},
     ("optax", "ScaleByNovogradState"): {"mu": SIGNED},
     ("optax", "ScaleBySM3State"): {"nu": SIGNED},
-    ("optax._src.transform", "ScaleByAdanState"): {"m": SIGNED, "v": SIGNED, "n": UNSIGNED},
+    (OPTAX_TRANSFORM, "ScaleByAdanState"): {"m": SIGNED, "v": SIGNED, "n": UNSIGNED},
     ("optax", "TraceState"): {"trace": SIGNED},
     ("optax", "EmaState"): {"ema": SIGNED},
-    ("optax._src.factorized", "FactoredState"): {"v": UNSIGNED},
+    (OPTAX_FACTORIZED, "FactoredState"): {"v": UNSIGNED},
     ("optax.contrib", "ScaleByAdemamixState"): {"m1": SIGNED, "m2": SIGNED, "nu": UNSIGNED},
-    ("optax.contrib._ademamix", "ScaleBySimplifiedAdEMAMixState"): {"m": SIGNED, "n": UNSIGNED},
+    (OPTAX_ADEMAMIX, "ScaleBySimplifiedAdEMAMixState"): {"m": SIGNED, "n": UNSIGNED},
     ("optax.contrib", "MuonState"): {"mu": SIGNED},
     ("optax.contrib", "SophiaState"): {"mu": SIGNED, "nu": SIGNED},
     ("optax.contrib", "DAdaptAdamWState"): {"exp_avg": SIGNED, "exp_avg_sq": UNSIGNED},
@@ -88,7 +91,7 @@ STATISTICS: dict[tuple[str, str], dict[str, str]] = {
 }
 
 # Params-shaped fields that are not statistics, and why: "module state-type field: why", a line each.
-_FULL_PRECISION_LINES = """
+_FULL_PRECISION_LINES = f"""
 optax.contrib DoGState init_params: a copy of the params
 optax.contrib DoWGState init_params: a copy of the params
 optax.contrib MechanicState x0: a copy of the params
@@ -110,18 +113,18 @@ optax ScaleByLBFGSState updates: the last update, for the memories
 optax ScaleByLBFGSState diff_params_memory: curvature memory
 optax ScaleByLBFGSState diff_updates_memory: curvature memory
 optax ScaleByZoomLinesearchState grad: the gradient of the line search
-optax._src.transform ScaleByAdanState g: the previous gradient
-optax._src.transform ScaleByOptimisticGradientState previous_gradient: the previous gradient
-optax._src.transform ScaleByRpropState step_sizes: per-element step sizes
-optax._src.transform ScaleByRpropState prev_updates: the previous update
+{OPTAX_TRANSFORM} ScaleByAdanState g: the previous gradient
+{OPTAX_TRANSFORM} ScaleByOptimisticGradientState previous_gradient: the previous gradient
+{OPTAX_TRANSFORM} ScaleByRpropState step_sizes: per-element step sizes
+{OPTAX_TRANSFORM} ScaleByRpropState prev_updates: the previous update
 optax.contrib GaLoreState projector: a projection basis
-optax._src.factorized FactoredState v_row: a factored second moment, small by design
-optax._src.factorized FactoredState v_col: a factored second moment, small by design
+{OPTAX_FACTORIZED} FactoredState v_row: a factored second moment, small by design
+{OPTAX_FACTORIZED} FactoredState v_col: a factored second moment, small by design
 optax ScaleBySM3State mu: SM3's cover of accumulated squares, small by design
 optax ScaleByRStdDevState mu: read as nu - mu², which codes of each can make negative
 optax ScaleByRStdDevState nu: read as nu - mu², which codes of each can make negative
-optax._src.transform ScaleByRStdDevWithCountState mu: read as nu - mu², which codes of each can make negative
-optax._src.transform ScaleByRStdDevWithCountState nu: read as nu - mu², which codes of each can make negative
+{OPTAX_TRANSFORM} ScaleByRStdDevWithCountState mu: read as nu - mu², which codes of each can make negative
+{OPTAX_TRANSFORM} ScaleByRStdDevWithCountState nu: read as nu - mu², which codes of each can make negative
 optax.contrib MomoState exp_avg: read as exp_avg · params - gamma, a difference its codes do not keep
 optax.contrib MomoAdamState exp_avg: read as exp_avg · params - gamma, a difference its codes do not keep
 """
@@ -289,11 +292,7 @@ def transformations() -> Iterator[tuple[str, Callable[[], optax.GradientTransfor
 
 
 def _aliases() -> list[str]:
-    return sorted(
-        name
-        for name, f in inspect.getmembers(optax)
-        if inspect.isfunction(f) and f.__module__.startswith("optax._src.alias")
-    )
+    return sorted(name for name, f in inspect.getmembers(optax, inspect.isfunction) if is_optax_alias(f))
 
 
 def _factory(function: Callable[..., Any], options: Mapping[str, Any] | None = None) -> Callable[[], Any] | None:

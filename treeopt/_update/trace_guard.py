@@ -13,7 +13,7 @@ from typing import Any
 
 import jax
 
-from treeopt._compat.jax_private import current_trace, trace_of
+from treeopt._compat.jax_private import current_trace, eager_or_autodiff, trace_of
 
 
 def is_tracer(x: Any) -> bool:
@@ -54,17 +54,12 @@ _FOREIGN_TRACE = (
     "the inner function and return it, e.g. carry it through lax.scan."
 )
 
-# Traces under which an in-place update of a concrete optimizer is sound: none
-# (plain eager), and eager jax.grad/jvp of a function that holds the optimizer.
-_AUTODIFF_TRACES = frozenset({"EvalTrace", "JVPTrace", "LinearizeTrace"})
-
-
 def refuse_capture(inputs: Any) -> None:
     """Raises before touching the state when a concrete optimizer is updated inside a transformation."""
     if not all(concrete_or_eager_autodiff(x) for x in jax.tree.leaves(inputs)):
         raise RuntimeError(CAPTURED)
     trace = current_trace()
-    if trace is not None and type(trace).__name__ not in _AUTODIFF_TRACES:
+    if trace is not None and not eager_or_autodiff(trace):  # eager, or eager jax.grad of a function holding it
         raise RuntimeError(CAPTURED)
 
 
@@ -74,5 +69,5 @@ def refuse_foreign_trace(step: Any) -> None:
     own = trace_of(step)
     if trace is None or own is None or trace is own:
         return
-    if type(trace).__name__ not in _AUTODIFF_TRACES:
+    if not eager_or_autodiff(trace):
         raise RuntimeError(_FOREIGN_TRACE)
