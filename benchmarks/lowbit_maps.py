@@ -16,13 +16,11 @@ Run alone: ``python -m benchmarks.lowbit_maps [smoke|quick|full]``.
 
 from __future__ import annotations
 
-import contextlib
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -30,7 +28,8 @@ import treeopt
 from benchmarks._common import FULL, QUICK, SMOKE, Profile, Row
 from benchmarks.memory_ladder import CONFIGS, corpus, windows
 from benchmarks.mixed_precision import transformer_loss, transformer_params
-from treeopt._lowbit import maps as lowbit_maps
+from treeopt._lowbit import levels as lowbit_levels
+from treeopt._lowbit import looked_up
 
 CASE = "lowbit_maps"
 BLOCK = 128
@@ -56,32 +55,6 @@ def relative_error(moment: np.ndarray, levels: np.ndarray) -> float:
     mids = (levels[1:] + levels[:-1]) / 2
     q = levels[np.searchsorted(mids, y)] * scale
     return float(np.linalg.norm(q - flat) / max(np.linalg.norm(flat), 1e-30))
-
-
-@contextlib.contextmanager
-def four_bit_signed_map(levels: np.ndarray) -> Iterator[None]:
-    """Within the block, treeopt's 4-bit signed map is ``levels`` (16, sorted), read and written by lookup."""
-    table = jnp.asarray(levels)
-    mids = jnp.asarray((levels[1:] + levels[:-1]) / 2)
-    decode, encode = lowbit_maps.decode, lowbit_maps.encode
-
-    def patched_decode(codes: Any, bits: int, signed: bool) -> jax.Array:
-        if (bits, signed) == (4, True):
-            return table[jnp.asarray(codes).astype(jnp.int32)]
-        return decode(codes, bits, signed)
-
-    def patched_encode(y: Any, bits: int, signed: bool) -> jax.Array:
-        if (bits, signed) == (4, True):
-            return jnp.searchsorted(mids, jnp.asarray(y, jnp.float32)).astype(jnp.int32)
-        return encode(y, bits, signed)
-
-    lowbit_maps.decode, lowbit_maps.encode = patched_decode, patched_encode
-    jax.clear_caches()
-    try:
-        yield
-    finally:
-        lowbit_maps.decode, lowbit_maps.encode = decode, encode
-        jax.clear_caches()
 
 
 def run(profile: Profile, log: Callable[[str], None] = print) -> list[Row]:
@@ -120,7 +93,7 @@ def run(profile: Profile, log: Callable[[str], None] = print) -> list[Row]:
 
     log(f"[{CASE}] float32 AdamW, {steps} steps, first moments at steps {probes}")
     full_loss, moments = train(None, collect=True)
-    ours, dynamic = np.asarray(lowbit_maps.levels(4, True)), dynamic_levels()
+    ours, dynamic = np.asarray(lowbit_levels(4, True)), dynamic_levels()
     rows = []
     for step, leaves in moments.items():
         for label, levels in (("treeopt 4-bit signed", ours), ("dynamic (torchao)", dynamic)):
@@ -128,7 +101,7 @@ def run(profile: Profile, log: Callable[[str], None] = print) -> list[Row]:
             rows.append(Row(CASE, f"first-moment error, step {step}", label, error, "rel. L2"))
     log(f"[{CASE}] 4-bit training under each map")
     loss_ours, _ = train(4)
-    with four_bit_signed_map(dynamic):
+    with looked_up(dynamic, bits=4, signed=True):
         loss_dynamic, _ = train(4)
     for label, loss in (("float32 state", full_loss), ("treeopt 4-bit signed", loss_ours), ("dynamic (torchao)", loss_dynamic)):
         rows.append(Row(CASE, f"final loss, {steps} steps", label, loss, "loss", extra={"vs_float32": loss / full_loss}))

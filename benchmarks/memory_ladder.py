@@ -189,7 +189,7 @@ def _child(profile_name: str, bytes_only: bool = False) -> dict[str, Any]:
     from jax.sharding import PartitionSpec as P
 
     import treeopt
-    from treeopt._lowbit.codec import is_quantized
+    from treeopt._lowbit import is_quantized
     from treeopt.partitioning import init_sharded, optimizer_shardings
 
     config = CONFIGS[profile_name]

@@ -15,4 +15,23 @@ May import: ``treeopt._compat``, ``treeopt._tree``, ``treeopt._sharding``
 ``treeopt.typing``. It is handed the state and the layout
 and returns state, never the optimizer; the step (``treeopt._step``) and the
 state-dict engine (``treeopt._state``) build on it.
+
+Its one face is this package: every other wing imports the names below from
+``treeopt._lowbit``, never a module of it.
 """
+
+from treeopt._lowbit.codec import describe_entry as describe_entry
+from treeopt._lowbit.codec import is_quantized as is_quantized
+from treeopt._lowbit.codec import quantize as quantize
+from treeopt._lowbit.maps import levels as levels
+from treeopt._lowbit.maps import looked_up as looked_up
+from treeopt._lowbit.state import checked_state_bits as checked_state_bits
+from treeopt._lowbit.state import constant_leaves as constant_leaves
+from treeopt._lowbit.state import decoded as decoded
+from treeopt._lowbit.state import encoded_after_step as encoded_after_step
+from treeopt._lowbit.state import has_quantized as has_quantized
+from treeopt._lowbit.state import in_target_form as in_target_form
+from treeopt._lowbit.state import quantized_state as quantized_state
+from treeopt._lowbit.statistics import FULL_PRECISION as FULL_PRECISION
+from treeopt._lowbit.statistics import STATISTICS as STATISTICS
+from treeopt._lowbit.statistics import transformations as transformations

@@ -182,6 +182,18 @@ class QuantizedLeaf(SpecifiesItself):
         codes, scales = partition_entries(self._shape, self.format, param_spec, axis_sizes)
         return QuantizedLeaf(codes, scales, shape=self._shape, dtype=self._dtype_name, format=self.format)
 
+    def laid_out_as_param(self) -> Any:
+        """Its 8-bit codes, which have the parameter's shape and layout; ``None`` for 4-bit codes (packed).
+
+        Example:
+            >>> import jax.numpy as jnp
+            >>> quantize(jnp.ones((64, 64)), bits=8).laid_out_as_param().shape
+            (64, 64)
+            >>> quantize(jnp.ones((64, 64)), bits=4).laid_out_as_param() is None
+            True
+        """
+        return self.codes if tuple(self.codes.shape) == self._shape else None
+
     def zero_axes(
         self, param_spec: PartitionSpec, shards: int, axis_sizes: Mapping[str, int] | None = None
     ) -> list[int]:

@@ -43,15 +43,18 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
+import sys
+from collections.abc import Iterator
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["decode", "encode", "levels", "smallest_level"]
+__all__ = ["decode", "encode", "levels", "looked_up", "smallest_level"]
 
 # The float32 bit patterns under the octave grids: code ``m`` of the grid is the float whose bits are
 # ``((m + 1) << 19) + base``, four mantissa bits a step, so the top code's pattern is exactly 1.0's.
@@ -203,3 +206,45 @@ def _signed4_midpoints() -> tuple[tuple[float, ...], tuple[float, ...]]:
 
 def _midpoints(side: np.ndarray) -> tuple[float, ...]:
     return tuple(float(np.float32((a + b) / 2)) for a, b in itertools.pairwise(side))
+
+
+@contextlib.contextmanager
+def looked_up(table: Any, bits: int = 4, signed: bool = True) -> Iterator[None]:
+    """Within the block, codes of ``bits`` and ``signed`` are read and written by lookup in ``table``.
+
+    ``table`` holds the ``2**bits`` levels, sorted; a value takes the code of
+    the nearest. It is how another map is measured against this module's
+    (``benchmarks/lowbit_maps.py``): the codec reads the maps through this
+    module, and jitted functions are compiled again on the way in and out.
+
+    Example:
+        >>> import numpy as np
+        >>> import treeopt._lowbit.maps as maps
+        >>> with looked_up(np.linspace(-1, 1, 16, dtype=np.float32)):
+        ...     round(float(maps.decode(maps.encode(jnp.array([0.1]), 4, True), 4, True)[0]), 4)
+        0.0667
+        >>> round(float(maps.decode(maps.encode(jnp.array([0.1]), 4, True), 4, True)[0]), 4)
+        0.0861
+    """
+    levels_ = jnp.asarray(table, jnp.float32)
+    mids = (levels_[1:] + levels_[:-1]) / 2
+    module = sys.modules[__name__]
+    decode_, encode_ = module.decode, module.encode
+
+    def decode_looked_up(codes: Any, bits_: int, signed_: bool) -> jax.Array:
+        if (bits_, signed_) == (bits, signed):
+            return levels_[jnp.asarray(codes).astype(jnp.int32)]
+        return decode_(codes, bits_, signed_)
+
+    def encode_looked_up(y: Any, bits_: int, signed_: bool) -> jax.Array:
+        if (bits_, signed_) == (bits, signed):
+            return jnp.searchsorted(mids, jnp.asarray(y, jnp.float32)).astype(jnp.int32)
+        return encode_(y, bits_, signed_)
+
+    module.decode, module.encode = decode_looked_up, encode_looked_up  # type: ignore[attr-defined]
+    jax.clear_caches()
+    try:
+        yield
+    finally:
+        module.decode, module.encode = decode_, encode_  # type: ignore[attr-defined]
+        jax.clear_caches()

@@ -53,7 +53,13 @@ from treeopt._lowbit.codec import (
     is_quantized,
 )
 from treeopt._lowbit.legacy import legacy_bits, legacy_decoded
-from treeopt._lowbit.statistics import field_at, fields_by_path, full_precision_reason, statistic_map
+from treeopt._lowbit.statistics import (
+    field_at,
+    fields_by_path,
+    full_precision_reason,
+    statistic_map,
+    statistic_signs,
+)
 from treeopt._sharding.explicit import explicit_sharding, resharded_like
 from treeopt._tree.layout import ParamLayout
 from treeopt._tree.masks import checked_globs, name_matcher
@@ -66,6 +72,7 @@ __all__ = [
     "checked_state_bits",
     "converted_source",
     "decoded",
+    "in_target_form",
     "encoded_after_step",
     "has_quantized",
     "quantized_state",
@@ -395,6 +402,39 @@ def _after(value: jax.Array, other: Any) -> jax.Array:
 
 CODES, SCALES, FORMAT = "codes", "scales", "format"
 """The entries of a low-bit leaf in a state dict."""
+
+
+def in_target_form(
+    target: Any, plain: Callable[[Any], Mapping[Path, Any]], source: Mapping[Path, Any], legacy_only: bool = False
+) -> tuple[dict[Path, Any] | None, tuple[tuple[str, str, str], ...]]:
+    """A state dict's entries converted to the form ``target`` holds them in: codes or full precision.
+
+    ``target`` is the state (a tree holding low-bit leaves or not) the
+    entries are loaded into; ``plain(tree)`` gives the flat state dict
+    ``{path: leaf}`` of a tree shaped like it (of indices). ``source`` is the
+    flat state dict to load. Returns ``(the converted entries, (path, from,
+    to) of each conversion)``, or ``(None, ())`` where nothing was converted.
+    ``legacy_only``: see :func:`converted_source`.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from treeopt._lowbit.codec import quantize
+        >>> target = {"mu": {"w": quantize(jnp.zeros((64, 64)), 8)}}
+        >>> def plain(tree):
+        ...     return {("mu", "w"): jax.tree.leaves(tree, is_leaf=is_quantized)[0]}
+        >>> flat, done = in_target_form(target, plain, {("mu", "w"): jnp.ones((64, 64))})
+        >>> sorted(flat), [to for _, _, to in done]
+        ([('mu', 'w', 'codes'), ('mu', 'w', 'format'), ('mu', 'w', 'scales')], ['8-bit signed codes'])
+    """
+    if not (has_quantized(target) or any(path and path[-1] == CODES for path in source)):
+        return None, ()  # neither side holds codes: nothing to convert, and no v1 codes to read
+    leaves, treedef = jax.tree.flatten(target, is_leaf=is_quantized)
+    indexed = plain(jax.tree.unflatten(treedef, list(range(len(leaves)))))
+    units = {path: leaves[i] for path, i in indexed.items() if isinstance(i, int)}
+    signs = statistic_signs(target, is_leaf=is_quantized)
+    signed = {path: signs[i] for path, i in indexed.items() if isinstance(i, int)}
+    flat, converted = converted_source(units, source, legacy_only=legacy_only, signed=signed)
+    return (flat, converted) if converted else (None, ())
 
 
 def converted_source(

@@ -20,6 +20,8 @@ from typing import Any
 import jax
 from jax.sharding import AxisType
 
+from treeopt._sharding.specs import is_self_specified
+
 
 def explicit_sharding(leaf: Any) -> Any:
     """The sharding of ``leaf`` (in its type, when traced) when its mesh has an explicit axis, else ``None``.
@@ -164,9 +166,9 @@ def in_state_layout(grads: Any, params: Any, *states: Any) -> tuple[Any, Any]:
 
     A leaf's state is the first leaf of ``states`` (the optax state, the
     precision's) whose key path holds the leaf's key path (as the optax state
-    of ``{name: param}`` holds ``DictKey(name)``), possibly followed by
-    ``.codes`` (8-bit codes take their param's layout), with the leaf's shape
-    and an explicit sharding. ZeRO-1 gives every state leaf shaped like a
+    of ``{name: param}`` holds ``DictKey(name)``), with the leaf's shape and
+    an explicit sharding; a low-bit leaf is asked which of its arrays is laid
+    out as its param (8-bit codes are). ZeRO-1 gives every state leaf shaped like a
     param one layout, so the step's arithmetic then never meets two layouts
     on one dimension. Leaves with no such state, and everything off an
     explicit mesh, are returned as they are.
@@ -185,10 +187,12 @@ def in_state_layout(grads: Any, params: Any, *states: Any) -> tuple[Any, Any]:
     lengths = sorted({len(path) for path in wanted})
     layouts: dict[int, Any] = {}
     for state in states:
-        for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+        for path, leaf in jax.tree_util.tree_flatten_with_path(state, is_leaf=is_self_specified)[0]:
             path = tuple(path)
-            if path and path[-1] == jax.tree_util.GetAttrKey("codes"):
-                path = path[:-1]
+            if is_self_specified(leaf):
+                leaf = leaf.laid_out_as_param()
+                if leaf is None:
+                    continue
             for n in lengths:
                 i = wanted.get(path[len(path) - n :]) if len(path) >= n else None
                 if (

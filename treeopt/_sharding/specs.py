@@ -313,6 +313,10 @@ class SpecifiesItself(abc.ABC):
         too, for the ZeRO axes combined with its own.
         """
 
+    @abc.abstractmethod
+    def laid_out_as_param(self) -> Any:
+        """The one of its arrays that has its parameter's shape and takes its layout, or ``None``."""
+
     @property
     @abc.abstractmethod
     def shape(self) -> tuple[int, ...]:

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from treeopt._lowbit.state import decoded, encoded_after_step, has_quantized
+from treeopt._lowbit import decoded, encoded_after_step, has_quantized
 from treeopt._sharding.explicit import in_state_layout
 from treeopt._sharding.ownership import owning
 from treeopt._step.precision import Precision, narrower, precision_step
