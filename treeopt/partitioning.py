@@ -276,9 +276,10 @@ def zero_report(
         [('opt_state[0].count', 'not param-owned')]
     """
     flat = checked_param_specs(_mesh_specs(param_specs, rules), opt.layout, mesh)
-    parts = state_parts(opt).by_part()
-    whole = whole_leaves_of(over_names(opt.tx, opt.layout), parts["opt_state"], opt.layout, mesh, opt.owned)
-    return zero_plan(parts, opt.layout, flat, shard_state_over, mesh, whole)[1]
+    held = state_parts(opt)
+    parts = held.by_part()
+    whole = whole_leaves_of(over_names(opt.tx, opt.layout), held.opt_state, opt.layout, mesh, opt.owned)
+    return zero_plan(parts, opt.layout, flat, shard_state_over, mesh, whole, held.unsplit_parts())[1]
 
 
 def _has_boxes(tree: Any) -> bool:

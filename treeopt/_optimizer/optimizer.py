@@ -2,22 +2,23 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 import optax
 
-from treeopt import hyperparams as _hyperparams
-from treeopt._lowbit.state import checked_state_bits, constant_leaves, quantized_state
+from treeopt._lowbit import checked_state_bits
+from treeopt._optimizer.hyperparameters import HyperparameterAccess
+from treeopt._optimizer.initial import initial_parts
+from treeopt._optimizer.partitioned import Partitioned
 from treeopt._optimizer.parts import state_parts, with_state_parts
+from treeopt._optimizer.views import StateViews
 from treeopt._sharding.explicit import like_inputs
-from treeopt._sharding.optimizer_specs import optimizer_state_specs
-from treeopt._sharding.ownership import checked_owned, owning
+from treeopt._sharding.ownership import checked_owned
 from treeopt._state import state_dict as _state_dict
-from treeopt._step.initial import as_transformation, init_inputs, transformation_name
+from treeopt._state.state_dict import StateParts
+from treeopt._step.initial import as_transformation, transformation_name
 from treeopt._step.options import (
     checked_master_dtype,
     checked_param_rounding,
@@ -25,14 +26,13 @@ from treeopt._step.options import (
     precision_of,
 )
 from treeopt._step.precision import Precision
-from treeopt._step.step_io import strong
-from treeopt._step.traced import flat_step, stable_dtypes
+from treeopt._step.traced import flat_step
 from treeopt._step.viewed import over_names
-from treeopt._tree.layout import ParamLayout, Wrt, is_lookahead
+from treeopt._tree.layout import ParamLayout, Wrt
 from treeopt._update.donated import donated, refuse_donated
 from treeopt._update.inputs import FlatInputs, flat_inputs
 from treeopt._update.trace_guard import CAPTURED, concrete_or_eager_autodiff, is_tracer
-from treeopt.typing import Params, ParamSpecs, StateDict, Updates
+from treeopt.typing import Params, StateDict, Updates
 
 __all__ = ["Optimizer"]
 
@@ -41,13 +41,13 @@ if TYPE_CHECKING:
 
 # The fields, declared once: static data (the jit cache key) and the leaves.
 _META = ("tx", "wrt", "state_bits", "owned", "precision", "_layout", "_lookahead")
-_DATA = ("step", "opt_state", "precision_state")
+_DATA = StateParts.leaf_fields()
 _FIELDS = (*_META, *_DATA)
 # What JAX passes when it rebuilds an optimizer, beyond the constructor's own arguments.
 _REBUILT = frozenset(_FIELDS) - {"tx", "wrt", "state_bits", "owned"}
 
 
-class Optimizer:
+class Optimizer(HyperparameterAccess, StateViews, Partitioned):
     """An optax optimizer that is a PyTree holding its own state.
 
     ``tx``, the parameter names and how the params are held (its
@@ -230,39 +230,6 @@ class Optimizer:
         """A new optimizer with these fields changed (the others as ``self``'s)."""
         return Optimizer(**{**{name: getattr(self, name) for name in _FIELDS}, **changes})
 
-    # -- the precision's state, read-only ------------------------------------------
-
-    @property
-    def master_dtype(self) -> np.dtype | None:
-        """The dtype of the master copies, as given to the constructor (static); ``None``: none."""
-        return self.precision.master_dtype
-
-    @property
-    def param_rounding(self) -> str | None:
-        """``"kahan"``, ``"stochastic"`` or ``None``, as given to the constructor (static)."""
-        return self.precision.param_rounding
-
-    @property
-    def master(self) -> dict[str, jax.Array] | None:
-        """The master copies ``{name: array}`` of the params narrower than ``master_dtype`` (leaves).
-
-        ``{}`` without ``master_dtype``, ``None`` before ``init``. They are the
-        values the optimizer steps; the params ``update`` returns are them cast down.
-
-        Example: with bfloat16 params and ``master_dtype=jnp.float32``,
-        ``opt.master["dense/kernel"].dtype`` is float32.
-        """
-        return None if self._layout is None else self.precision.views(self.precision_state)["master"]
-
-    @property
-    def rounding(self) -> dict[str, Any] | None:
-        """The state of ``param_rounding`` (leaves): ``{"compensation": {name: array}}`` or ``{"key": key}``.
-
-        ``{}`` without the option, ``None`` before ``init``. In ``state_dict()`` the
-        compensation buffers are under ``"compensation"``, the key under ``"rounding_key"``.
-        """
-        return None if self._layout is None else self.precision.views(self.precision_state)["rounding"]
-
     # -- init --------------------------------------------------------------------
 
     @property
@@ -299,22 +266,10 @@ class Optimizer:
             >>> opt.paths, int(opt.step)
             (('dense/kernel',), 0)
         """
-        lookahead = is_lookahead(params)
-        layout = ParamLayout.of(params.fast if lookahead else params, self.wrt)
-        flat, precision_state = init_inputs(layout, params, lookahead, self.precision)
-        tx = owning(over_names(self.tx, layout), self.owned, layout.names)  # owned='s globs checked here
-        opt_state = stable_dtypes(tx, jax.tree.map(strong, tx.init(flat)), flat, lookahead)
-        if self.state_bits is not None:
-            traced = any(is_tracer(x) for x in jax.tree.leaves(flat.fast if lookahead else flat))
-            constants = constant_leaves(tx.init, flat) if traced else None
-            opt_state = quantized_state(opt_state, layout, self.state_bits, constants)
-        return self._with(
-            _layout=layout,
-            _lookahead=lookahead,
-            step=jnp.zeros((), jnp.int32),
-            opt_state=opt_state,
-            precision_state=precision_state,
+        layout, lookahead, parts = initial_parts(
+            self.tx, self.wrt, self.precision, self.state_bits, self.owned, params
         )
+        return with_state_parts(self._with(_layout=layout, _lookahead=lookahead), parts)
 
     # -- update ------------------------------------------------------------------
 
@@ -382,9 +337,8 @@ class Optimizer:
         result = self._step_on(inputs, apply_updates)
         if not is_tracer(self.step) and not concrete_or_eager_autodiff(result.step):
             raise RuntimeError(CAPTURED)  # a trace we could not see from the inputs
-        object.__setattr__(self, "step", result.step)
-        object.__setattr__(self, "opt_state", result.opt_state)
-        object.__setattr__(self, "precision_state", result.precision_state)
+        for name in _DATA:
+            object.__setattr__(self, name, getattr(result, name))
         return inputs.rebuild(like_inputs(result.output, inputs.params if apply_updates else inputs.grads))
 
     def _step_on(self, inputs: FlatInputs, apply_updates: bool) -> FlatStep:
@@ -405,54 +359,6 @@ class Optimizer:
         except RuntimeError:  # checked only after the failure: the step itself pays nothing
             refuse_donated(self)
             raise
-
-    # -- hyperparameters ----------------------------------------------------------
-
-    @property
-    def hyperparams(self) -> dict[str, Any]:
-        """The injected hyperparameters (``optax.inject_hyperparams``) by name.
-
-        Example:
-            >>> import jax.numpy as jnp, optax, treeopt
-            >>> tx = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1)
-            >>> opt = treeopt.Optimizer(tx).init({"w": jnp.ones(2)})
-            >>> opt.learning_rate = 0.01      # next step uses it, no recompilation
-            >>> round(float(opt.hyperparams["learning_rate"]), 6)
-            0.01
-        """
-        self._require_layout()
-        return _hyperparams.get_hyperparams(self.opt_state)
-
-    def set_hyperparams(self, values: Mapping[str, Any] | None = None, **kwargs: Any) -> None:
-        """Sets injected hyperparameters in place; qualified names (``"decay/learning_rate"``) allowed.
-
-        Example:
-            >>> import jax.numpy as jnp, optax, treeopt
-            >>> tx = optax.inject_hyperparams(optax.adam)(learning_rate=0.1)
-            >>> opt = treeopt.Optimizer(tx).init({"w": jnp.ones(2)})
-            >>> opt.set_hyperparams(learning_rate=0.05, b1=0.8)
-            >>> round(float(opt.b1), 3)
-            0.8
-        """
-        self._require_layout()
-        merged = {**(values or {}), **kwargs}
-        new_state = _hyperparams.set_hyperparams(self.opt_state, merged)
-        object.__setattr__(self, "opt_state", new_state)
-
-    def __getattr__(self, name: str) -> Any:
-        # Only reached when normal lookup fails: hyperparameters read as attributes.
-        if name.startswith("_") or object.__getattribute__(self, "_layout") is None:
-            raise AttributeError(f"'Optimizer' object has no attribute '{name}'")
-        found = _hyperparams.get_hyperparams(object.__getattribute__(self, "opt_state"))
-        return _hyperparams.hyperparameter_attribute(self, name, found)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        # The drop-in's rule too (hyperparams.sets_hyperparameter): the optimizer's own attributes (its
-        # fields and the views of its state) are managed; a hyperparameter is set in the state, and since
-        # the optimizer holds no other attribute, any other name is set_hyperparams' error naming them.
-        if hasattr(type(self), name):
-            raise AttributeError(f"Optimizer.{name} is managed by the optimizer; use init/update/load_state_dict.")
-        self.set_hyperparams({name: value})
 
     # -- serialization (state_dict / load_state_dict) ------------------------------
 
@@ -495,77 +401,10 @@ class Optimizer:
             >>> int(restored.step)
             1
         """
-        loaded = with_state_parts(self, _state_dict.load_state_dict(state_parts(self), state_dict, strict=strict))
+        loaded = _state_dict.load_state_dict(state_parts(self), state_dict, strict=strict)
         for name in _DATA:
             object.__setattr__(self, name, getattr(loaded, name))
         return self
-
-    # -- partitioning (partition_specs) --------------------------------------------
-
-    def partition_specs(
-        self,
-        param_specs: ParamSpecs,
-        *,
-        shard_state_over: str | Sequence[str] | None = None,
-        mesh: jax.sharding.Mesh | None = None,
-    ) -> Optimizer:
-        """A ``PartitionSpec`` for every leaf of this optimizer, from the params' specs.
-
-        Works for any optax transformation, with no table of state types: a
-        state leaf shaped like its param gets the param's spec; a factored leaf
-        (Adafactor ``v_row``/``v_col``, SM3 per-dimension accumulators) gets it
-        with the reduced axes dropped; counts, scalars, RNG keys,
-        hyperparameters and ``(1,)`` placeholders get ``P()``. Also works on an
-        abstract optimizer from ``jax.eval_shape(opt.init, params)``.
-
-        With ``shard_state_over`` (ZeRO-1) every floating-point state leaf that
-        belongs to a parameter also gets those mesh axes, on its largest
-        dimension that is not sharded yet and that their size divides; a leaf
-        that already uses them (FSDP), or has no such dimension, keeps its spec.
-        :func:`treeopt.partitioning.zero_report` lists what was split and why
-        the rest was not.
-
-        Args:
-            param_specs: a tree shaped like the params given to ``init`` (or the
-                flat ``{name: spec}`` dict), with a ``PartitionSpec`` (mesh axes or
-                logical axis names) or ``None`` (replicated) at each parameter.
-            shard_state_over: a mesh axis name, or a tuple of them, to split the
-                state over as well (the data-parallel axis); ``None`` (the
-                default) lays the state out exactly like the params.
-            mesh: the ``jax.sharding.Mesh``; needed with ``shard_state_over``
-                (its axis sizes decide what divides). When given, the specs'
-                axes are checked against it.
-
-        Returns:
-            An Optimizer-shaped tree (same static data) whose leaves are
-            ``PartitionSpec``s: ``P()`` for ``step``, then one per state leaf.
-            Use it (or :func:`treeopt.partitioning.named_shardings` of it) as
-            ``in_shardings``/``out_shardings`` of ``jax.jit``, for this optimizer
-            (or one over the same ``tx`` object: jit compares the static data).
-
-        Example:
-            >>> import jax, jax.numpy as jnp, numpy as np, optax, treeopt
-            >>> from jax.sharding import Mesh, PartitionSpec as P
-            >>> params = {"dense": {"kernel": jnp.ones((4, 8)), "bias": jnp.zeros(8)}}
-            >>> opt = treeopt.Optimizer(optax.adafactor(1e-2, min_dim_size_to_factor=2)).init(params)
-            >>> specs = opt.partition_specs({"dense": {"kernel": P("data", "model"), "bias": P("model")}})
-            >>> tuple(specs.opt_state[0].v_row["dense/kernel"]), tuple(specs.opt_state[0].v_col["dense/kernel"])
-            (('data',), ('model',))
-            >>> mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
-            >>> opt = treeopt.Optimizer(optax.adam(1e-3)).init(params)
-            >>> zero = opt.partition_specs({"dense": {"kernel": P(None, "model"), "bias": P()}},
-            ...                            shard_state_over="data", mesh=mesh)
-            >>> zero.opt_state[0].mu["dense/kernel"] == P("data", "model"), zero.opt_state[0].count == P()
-            (True, True)
-        """
-        layout = self._require_layout()
-        specs = optimizer_state_specs(
-            state_parts(self).by_part(), layout, param_specs, shard_state_over=shard_state_over, mesh=mesh,
-            tx=over_names(self.tx, layout), owned=self.owned,
-        )  # fmt: skip
-        # The parts hold the state's leaves in its order (the precision's views included): so do their specs.
-        leaves = [leaf for tree in specs.values() for leaf in jax.tree.leaves(tree)]
-        return jax.tree.unflatten(jax.tree.structure(self), [jax.sharding.PartitionSpec(), *leaves])
 
     # -- misc ----------------------------------------------------------------------
 

@@ -5,9 +5,8 @@ They read the optimizer's public fields, so this module imports no optimizer: th
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Protocol, TypeVar
-
-import jax
 
 from treeopt._state.state_dict import StateParts
 
@@ -52,4 +51,7 @@ def with_state_parts(opt: Held, parts: StateParts) -> Held:
         >>> int(with_state_parts(opt, dataclasses.replace(state_parts(opt), step=jnp.int32(5))).step)
         5
     """
-    return jax.tree.unflatten(jax.tree.structure(opt), jax.tree.leaves(parts))
+    rebuilt = copy.copy(opt)  # a new optimizer with opt's fields (its __reduce__)
+    for name in parts.leaf_fields():  # by name: the optimizer holds each field of the parts under its name
+        object.__setattr__(rebuilt, name, getattr(parts, name))
+    return rebuilt

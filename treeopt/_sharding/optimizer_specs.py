@@ -18,6 +18,7 @@ from jax.sharding import PartitionSpec
 from treeopt._sharding.ownership import OwnedLeaf, OwnedRules, whole_leaves
 from treeopt._sharding.specs import check_axes, flat_param_specs, state_leaf_specs
 from treeopt._sharding.zero import zero_plan
+from treeopt._tree.children import OPT_STATE
 from treeopt._tree.layout import ParamLayout
 
 
@@ -29,6 +30,7 @@ def state_specs(
     shard_state_over: str | Sequence[str] | None = None,
     mesh: Any = None,
     whole: Sequence[OwnedLeaf] = (),
+    unsplit: frozenset[str] = frozenset(),
 ) -> dict[str, Any]:
     """``{part: tree shaped like it with a PartitionSpec at every leaf}`` for the parts of a state.
 
@@ -39,7 +41,8 @@ def state_specs(
     trainable param. With ``shard_state_over`` (mesh axis names, and the
     ``mesh`` whose sizes they have) the param-owned leaves are also split over
     those axes (ZeRO-1, see :func:`treeopt._sharding.zero.zero_plan`); ``whole``
-    are the params whose update reads matrices whole (their layers split first).
+    are the params whose update reads matrices whole (their layers split first);
+    ``unsplit``, the parts ZeRO-1 never splits (their children say so).
     """
     if shard_state_over is None:
         sizes = {name: int(size) for name, size in dict(mesh.shape).items()} if mesh is not None else None
@@ -48,7 +51,7 @@ def state_specs(
             treedef, leaves = state_leaf_specs(tree, layout, param_specs, sizes)
             out[part] = jax.tree_util.tree_unflatten(treedef, [leaf.spec for leaf in leaves])
         return out
-    treedefs, plan = zero_plan(parts, layout, param_specs, shard_state_over, mesh, whole)
+    treedefs, plan = zero_plan(parts, layout, param_specs, shard_state_over, mesh, whole, unsplit)
     specs = iter(leaf.zero_spec for leaf in plan.leaves)
     return {
         part: treedef.unflatten([next(specs) for _ in range(treedef.num_leaves)])
@@ -65,6 +68,7 @@ def optimizer_state_specs(
     mesh: Any = None,
     tx: Any = None,
     owned: OwnedRules | None = None,
+    unsplit: frozenset[str] = frozenset(),
 ) -> dict[str, Any]:
     """The specs of a state's parts from a params-shaped tree of specs, checked; what ``partition_specs`` uses.
 
@@ -74,11 +78,13 @@ def optimizer_state_specs(
     ``mesh`` each spec's axes are also checked against it (the error names the
     parameter). ``parts`` and ``shard_state_over``: see :func:`state_specs`;
     ``tx`` and ``owned``, the optimizer's, find the params whose update reads
-    matrices whole (:func:`whole_leaves_of`).
+    matrices whole (:func:`whole_leaves_of`); ``unsplit``: see :func:`state_specs`.
     """
     flat = checked_param_specs(param_specs, layout, mesh)
-    whole = whole_leaves_of(tx, parts.get("opt_state"), layout, mesh, owned) if shard_state_over else []
-    return state_specs(parts, layout, flat, shard_state_over=shard_state_over, mesh=mesh, whole=whole)
+    whole = whole_leaves_of(tx, parts.get(OPT_STATE.view), layout, mesh, owned) if shard_state_over else []
+    return state_specs(
+        parts, layout, flat, shard_state_over=shard_state_over, mesh=mesh, whole=whole, unsplit=unsplit
+    )
 
 
 def whole_leaves_of(
@@ -89,7 +95,8 @@ def whole_leaves_of(
     Example:
         >>> import jax, jax.numpy as jnp, numpy as np, optax
         >>> from jax.sharding import Mesh
-        >>> from treeopt._tree.layout import ParamLayout
+        >>> from treeopt._tree.children import OPT_STATE
+from treeopt._tree.layout import ParamLayout
         >>> params = {"w": jnp.ones((8, 4)), "b": jnp.ones(4)}
         >>> tx = optax.contrib.muon(1e-2)
         >>> mesh = Mesh(np.array(jax.devices()[:1]), ("data",))

@@ -32,6 +32,7 @@ from treeopt._tree.layout import ParamLayout
 
 NOT_PARAM_OWNED = "not param-owned"
 NOT_FLOATING = "not floating point"
+KEPT_WHOLE = "its state child is never split"
 ALREADY_USES_AXIS = "already uses the axis"
 NO_FREE_DIMENSION = "every dimension already sharded"
 TOO_SMALL = "too small"
@@ -118,7 +119,8 @@ class ZeroLeaf:
             logical axes may not), ``"too small"`` (no dimension as large as
             the axes, scalars and placeholders included), ``"not divisible"``
             or ``"a shard would cut its low-bit blocks"`` (4-bit codes whose
-            blocks span the rows a shard could take).
+            blocks span the rows a shard could take), ``"its state child is
+            never split"`` (its child's declaration, :mod:`treeopt._tree.children`).
 
     Example:
         >>> from jax.sharding import PartitionSpec as P
@@ -349,13 +351,15 @@ def zero_plan(
     shard_state_over: str | Sequence[str],
     mesh: Any,
     whole: Sequence[Any] = (),
+    unsplit: frozenset[str] = frozenset(),
 ) -> tuple[dict[str, Any], ZeroReport]:
     """ZeRO-1: ``({part: treedef}, report)``, the report holding each leaf's spec with and without.
 
     ``whole`` are the params whose update reads matrices whole
     (:class:`treeopt._sharding.ownership.OwnedLeaf`): a stacked one's state
     is split along its layers where they divide, so each owner holds its
-    matrices whole, and the report lists their owners.
+    matrices whole, and the report lists their owners. ``unsplit``: the
+    parts whose state children are declared never split (``StateChild.zero``).
 
     ``parts`` are the parts of an optimizer's state by name (``{"opt_state":
     ..., "master": ...}``). Every floating-point leaf that belongs to a
@@ -389,6 +393,8 @@ def zero_plan(
                 zero_spec, dim, reason = spec, None, NOT_PARAM_OWNED
             elif dtype is None or not jax.numpy.issubdtype(dtype, jax.numpy.inexact):
                 zero_spec, dim, reason = spec, None, NOT_FLOATING
+            elif part in unsplit:
+                zero_spec, dim, reason = spec, None, KEPT_WHOLE
             elif param in owned and shape == shapes.get(param):
                 zero_spec, dim, reason = owned[param]
             else:

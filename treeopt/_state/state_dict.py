@@ -33,9 +33,7 @@ from typing import Any
 import jax
 from flax import traverse_util
 
-from treeopt._lowbit.codec import describe_entry, is_quantized
-from treeopt._lowbit.state import CODES, converted_source, has_quantized
-from treeopt._lowbit.statistics import statistic_signs
+from treeopt._lowbit import describe_entry, in_target_form
 from treeopt._state.checksum import CHECKSUM_KEY
 from treeopt._state.engine import (
     Messages,
@@ -50,6 +48,7 @@ from treeopt._state.keys import key_data
 from treeopt._state.plain import flatten_paths, to_plain
 from treeopt._state.policies import EXACT, EXACT_OR_WIDER
 from treeopt._state.step_rule import refuse_a_negative_step
+from treeopt._tree.children import OPT_STATE, STEP, child_named
 from treeopt._tree.paths import Path, path_str
 from treeopt.errors import LoadReport
 
@@ -86,23 +85,59 @@ class StateParts:
     precision_state: Any = None
     precision: Any = dataclasses.field(default=None, metadata={"static": True})
 
+    @classmethod
+    def leaf_fields(cls) -> tuple[str, ...]:
+        """The fields holding leaves: the optimizer holds each under the same name.
+
+        Example:
+            >>> StateParts.leaf_fields()
+            ('step', 'opt_state', 'precision_state')
+        """
+        return tuple(field.name for field in dataclasses.fields(cls) if not field.metadata.get("static"))
+
     def entries(self) -> dict[str, Any]:
-        """The precision's entries of the state dict (``"master"``, ``"compensation"``, ``"rounding_key"``)."""
+        """The precision's entries of the state dict: each of its children under its declared name."""
         return {} if self.precision is None else self.precision.entries(self.precision_state)
 
     def by_part(self) -> dict[str, Any]:
         """The trees whose leaves may belong to parameters, by the names ``zero_report`` gives them.
 
-        ``opt_state``, then the precision's views (``master``, ``rounding``):
-        together, the state's leaves after the step, in the state's order.
+        ``opt_state``, then the precision's views (``master``, ``rounding``), as
+        the children declare them (:mod:`treeopt._tree.children`).
         """
         views = {} if self.precision is None else self.precision.views(self.precision_state)
-        return {"opt_state": self.opt_state, **views}
+        return {OPT_STATE.view: self.opt_state, **views}
+
+    def unsplit_parts(self) -> frozenset[str]:
+        """The parts of :meth:`by_part` whose children ZeRO-1 never splits (a rounding key), as declared."""
+        children = (OPT_STATE, *(() if self.precision is None else self.precision.children))
+        split = {child.view for child in children if child.zero}
+        return frozenset(child.view for child in children if child.view not in split)
+
+    def from_parts(self, by_part: Mapping[str, Any], step: Any) -> StateParts:
+        """Parts like these holding ``by_part`` (shaped like :meth:`by_part`'s result) and ``step``, by name.
+
+        Example:
+            >>> import jax.numpy as jnp
+            >>> parts = StateParts(jnp.int32(0), {"w": jnp.zeros(2)})
+            >>> parts.from_parts({"opt_state": {"w": "spec"}}, step="spec").opt_state
+            {'w': 'spec'}
+        """
+        precision_state = self.precision_state
+        if self.precision is not None:
+            precision_state = self.precision.from_views(precision_state, by_part)
+        return dataclasses.replace(
+            self, step=step, opt_state=by_part[OPT_STATE.view], precision_state=precision_state
+        )
 
 
 def plain_state(parts: StateParts) -> dict[str, Any]:
     """The state dict of ``parts`` built from its leaves as they are (also for a tree of indices)."""
-    return {"step": key_data(parts.step), "opt_state": to_plain(parts.opt_state), **to_plain(parts.entries())}
+    return {
+        STEP.name: key_data(parts.step),
+        OPT_STATE.name: to_plain(parts.opt_state),
+        **to_plain(parts.entries()),
+    }
 
 
 def state_dict(parts: StateParts) -> dict[str, Any]:
@@ -119,14 +154,14 @@ def check_state_dict(parts: StateParts, sd: Any) -> LoadReport:
     """What loading ``sd`` into ``parts`` would load, and what it would not (see ``serialization.check_state_dict``)."""
     source = StateDictSource(sd, "check_state_dict")
     read_verified(source, {})
-    source = StateDictSource(_in_target_precision(parts, sd, legacy_only=True)[0], "check_state_dict")
+    source = StateDictSource(_in_target_form(parts, sd, legacy_only=True)[0], "check_state_dict")
     return match(target(parts), source.entries(), EXACT)[1]
 
 
 def load_state_dict(parts: StateParts, sd: Any, strict: bool = True) -> StateParts:
     """New parts like ``parts`` with the values of ``sd`` (see ``Optimizer.load_state_dict``)."""
     refuse_a_negative_step(sd, _LOAD.lead)
-    sd = _in_target_precision(parts, sd, legacy_only=True)[0]
+    sd = _in_target_form(parts, sd, legacy_only=True)[0]
     return load(target(parts), StateDictSource(sd), EXACT, _LOAD, strict=strict)[0]
 
 
@@ -144,6 +179,9 @@ def warm_start(
     """
 
     def wanted(path: Path) -> bool:
+        child = child_named(path[0]) if path else None
+        if child is not None and not child.warm_start:
+            return False
         name = path_str(path)
         if not hyperparams and ("hyperparams" in path or "hyperparams_states" in path):
             return False
@@ -151,17 +189,18 @@ def warm_start(
 
     refuse_a_negative_step(source, _LOAD.lead)
     roles = Roles(frozenset(names), wanted)
-    source, converted = _in_target_precision(parts, source)
+    source, converted = _in_target_form(parts, source)
     source_ = StateDictSource(source, "warm_start")
     loaded, report = load(target(parts), source_, EXACT_OR_WIDER, _LOAD, strict=None, roles=roles)
     return loaded, dataclasses.replace(report, converted=converted)
 
 
-def _in_target_precision(
+def _in_target_form(
     parts: StateParts, source: Any, legacy_only: bool = False
 ) -> tuple[Any, tuple[tuple[str, str, str], ...]]:
     """``source`` with full-precision and low-bit values converted where the target holds another form.
 
+    The low-bit wing converts (:func:`treeopt._lowbit.in_target_form`).
     ``legacy_only``: convert only low-bit values written before their format
     was recorded (an exact load reads them in the current format, decoded
     and encoded again); everything else stays for the engine to match or
@@ -170,16 +209,10 @@ def _in_target_precision(
     """
     if not isinstance(source, Mapping):
         return source, ()
-    flat_source = flatten_paths(source)
-    if not (has_quantized(parts.opt_state) or any(path[-1] == CODES for path in flat_source)):
-        return source, ()  # neither side holds codes: nothing to convert, and no v1 codes to read
-    leaves, treedef = jax.tree.flatten(parts, is_leaf=is_quantized)
-    indexed = flatten_paths(plain_state(jax.tree.unflatten(treedef, list(range(len(leaves))))))
-    units = {path: leaves[i] for path, i in indexed.items() if isinstance(i, int)}
-    signs = statistic_signs(parts, is_leaf=is_quantized)
-    signed = {path: signs[i] for path, i in indexed.items() if isinstance(i, int)}
-    flat, converted = converted_source(units, flat_source, legacy_only=legacy_only, signed=signed)
-    if not converted:
+    flat, converted = in_target_form(
+        parts, lambda tree: flatten_paths(plain_state(tree)), flatten_paths(source), legacy_only
+    )
+    if flat is None:
         return source, ()
     read_verified(StateDictSource(source, "warm_start"), {})
     flat.pop((CHECKSUM_KEY,), None)

@@ -58,6 +58,7 @@ import optax
 from treeopt._sharding.explicit import resharded_like
 from treeopt._step.rounding import is_float8, saturated, stochastic_round
 from treeopt._step.step_io import FlatStep, StepInputs, next_step
+from treeopt._tree.children import COMPENSATION, MASTER, ROUNDING_KEY, VIEWS, StateChild
 
 __all__ = [
     "AS_IS",
@@ -76,8 +77,12 @@ __all__ = [
 ]
 
 F32 = jnp.dtype(jnp.float32)
-VIEWS = ("master", "rounding")
-"""The optimizer's read-only views of a precision's state (``opt.master``, ``opt.rounding``), in this order."""
+
+
+def _held(state: Any, child: StateChild) -> Any:
+    """The child's value in ``state``: a dict of arrays copied (a view never aliases the state's own dict)."""
+    value = getattr(state, child.attribute)
+    return dict(value) if isinstance(value, Mapping) else value
 
 
 def narrower(dtype: Any, than: Any = F32) -> bool:
@@ -148,8 +153,8 @@ class Precision:
 
     option: ClassVar[str | None] = None
     """The constructor option that chooses it, which its errors name (``None``: as is)."""
-    view: ClassVar[str | None] = None
-    """Which of the optimizer's :data:`VIEWS` shows its state (``None``: neither)."""
+    children: ClassVar[tuple[StateChild, ...]] = ()
+    """The children its state holds, as :mod:`treeopt._tree.children` declares them (each a field of its state)."""
 
     @property
     def master_dtype(self) -> np.dtype | None:
@@ -186,24 +191,40 @@ class Precision:
         return {}, state
 
     def entries(self, state: Any) -> dict[str, Any]:
-        """This precision's entries of the optimizer's state dict, from its state (before their plain form)."""
-        return {}
-
-    def shown(self, state: Any) -> Any:
-        """Its state as the optimizer's view :attr:`view` shows it."""
-        return {}
+        """This precision's entries of the optimizer's state dict, from its state (before their plain form):
+        each child under its declared name."""
+        return {child.name: _held(state, child) for child in self.children}
 
     def views(self, state: Any) -> dict[str, Any]:
         """``{"master": ..., "rounding": ...}``: the optimizer's read-only views of ``state``.
 
-        ``{}`` in each view that does not show it. Together they hold the
-        state's leaves in the state's own order, so a tree shaped like the
-        views (their specs) is a tree shaped like the state, leaf for leaf.
+        Each child in its declared view (under its declared key there), ``{}``
+        in a view that shows none of them.
         """
         out: dict[str, Any] = {view: {} for view in VIEWS}
-        if self.view is not None:
-            out[self.view] = self.shown(state)
+        for child in self.children:
+            if child.shown_under is None:
+                out[child.view] = _held(state, child)
+            else:
+                out[child.view][child.shown_under] = _held(state, child)
         return out
+
+    def from_views(self, state: Any, views: Mapping[str, Any]) -> Any:
+        """``state`` with each child taken from ``views`` (shaped like :meth:`views`' result), by name.
+
+        Example:
+            >>> import jax.numpy as jnp
+            >>> _, state = Kahan().init({"w": jnp.ones(2, jnp.bfloat16)})
+            >>> Kahan().from_views(state, {"rounding": {"compensation": {"w": "spec"}}}).compensation
+            {'w': 'spec'}
+        """
+        return dataclasses.replace(
+            state,
+            **{
+                child.attribute: views[child.view] if child.shown_under is None else views[child.view][child.shown_under]
+                for child in self.children
+            },
+        )
 
     def refuse_nothing_narrow(self, flat: Mapping[str, Any]) -> None:
         """A ``ValueError`` naming the option when no floating param is narrow: it would do nothing."""
@@ -240,7 +261,7 @@ class MasterWeights(Precision):
     dtype: np.dtype
 
     option: ClassVar[str | None] = "master_dtype"
-    view: ClassVar[str | None] = "master"
+    children: ClassVar[tuple[StateChild, ...]] = (MASTER,)
 
     @property
     def master_dtype(self) -> np.dtype | None:
@@ -282,12 +303,6 @@ class MasterWeights(Precision):
         new_master = {name: saturated(m, dtypes[name]) for name, m in new_master.items()}
         new = {name: m.astype(dtypes[name]) for name, m in new_master.items()}
         return new, dataclasses.replace(state, master=new_master)
-
-    def entries(self, state: Any) -> dict[str, Any]:
-        return {"master": dict(state.master)}
-
-    def shown(self, state: Any) -> Any:
-        return dict(state.master)
 
 
 def follow(master: Mapping[str, Any], params: Mapping[str, Any]) -> dict[str, Any]:
@@ -337,7 +352,6 @@ class _Rounded(Precision):
     """
 
     option: ClassVar[str | None] = "param_rounding"
-    view: ClassVar[str | None] = "rounding"
     choice: ClassVar[str] = ""
 
     @property
@@ -371,9 +385,6 @@ class _Rounded(Precision):
             )
         return {name: p.astype(F32) for name, p in params.items() if self.narrow(p.dtype)}
 
-    def shown(self, state: Any) -> Any:
-        return {field.name: getattr(state, field.name) for field in dataclasses.fields(state)}
-
 
 def _compensation_dtype(dtype: Any) -> Any:
     """The dtype of a Kahan buffer: the param's own, float32 for a one-byte float.
@@ -406,6 +417,7 @@ class Kahan(_Rounded):
     """
 
     choice: ClassVar[str] = "kahan"
+    children: ClassVar[tuple[StateChild, ...]] = (COMPENSATION,)
 
     def fresh(self, flat: Mapping[str, Any]) -> Any:
         return KahanState(
@@ -428,9 +440,6 @@ class Kahan(_Rounded):
             compensation[k] = (total - (new[k].astype(F32) - w)).astype(compensation[k].dtype)
         return new, KahanState(compensation)
 
-    def entries(self, state: Any) -> dict[str, Any]:
-        return {"compensation": dict(state.compensation)}
-
 
 @dataclasses.dataclass(frozen=True)
 class Stochastic(_Rounded):
@@ -451,6 +460,7 @@ class Stochastic(_Rounded):
 
     seed: int = 0
     choice: ClassVar[str] = "stochastic"
+    children: ClassVar[tuple[StateChild, ...]] = (ROUNDING_KEY,)  # written as its key data, as every typed key
 
     def fresh(self, flat: Mapping[str, Any]) -> Any:
         return StochasticState(jax.random.key(self.seed))
@@ -462,9 +472,6 @@ class Stochastic(_Rounded):
         keys = jax.random.split(draw, max(len(wide), 1))
         new = {k: stochastic_round(w + updates[k], dtypes[k], keys[i]) for i, (k, w) in enumerate(wide.items())}
         return new, StochasticState(key)
-
-    def entries(self, state: Any) -> dict[str, Any]:
-        return {"rounding_key": state.key}  # written as its key data, as every typed key in a state dict
 
 
 ROUNDINGS: dict[str, type[_Rounded]] = {"kahan": Kahan, "stochastic": Stochastic}

@@ -7,6 +7,8 @@
 - ``masks``: masks and labels from names (the public face is ``treeopt.masks``).
 - ``layout``: ``ParamLayout``, the static aux data that flattens params by name
   and rebuilds the caller's type (the public face is ``treeopt.layout``).
+- ``children``: the children of the optimizer's state (master copies,
+  compensation, key, ...), each declared once, which every other wing reads.
 
 May import: jax, optax, numpy, ``treeopt.errors``, ``treeopt.typing``. Nothing
 else of treeopt: every other wing builds on this one.
