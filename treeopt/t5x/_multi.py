@@ -15,7 +15,7 @@ from treeopt.t5x import _state
 from treeopt.t5x._base import Optimizer, OptimizerDef, OptimizerState, check_grads
 from treeopt.t5x._optax import OptaxWrapper
 from treeopt.t5x._partition_rules import check_logical_axes, key_path, missing_axes_error
-from treeopt.t5x._zero import with_zero_sharding
+from treeopt.t5x._zero import zero_sharded
 
 
 class _Match:
@@ -272,15 +272,8 @@ class MultiOptimizer(OptimizerDef):
             if set_axes is not None:
                 set_axes(split.subtree(i, leaves))
 
-    def derive_logical_axes(
-        self,
-        optimizer: Optimizer,
-        param_logical_axes: Any,
-        *,
-        shard_state_over: str | None = None,
-        mesh: Any = None,
-        logical_axis_rules: Any = None,
-    ) -> Optimizer:
+    @zero_sharded
+    def derive_logical_axes(self, optimizer: Optimizer, param_logical_axes: Any) -> Optimizer:
         """Each sub-optimizer's logical axes for its subset, in this optimizer's state layout.
 
         Entries of params no sub-optimizer derives axes for are ``None``.
@@ -324,4 +317,4 @@ class MultiOptimizer(OptimizerDef):
         state = OptimizerState(None, self._merge_states(split, derived))
         target_axes = split.treedef.unflatten(axes)
         derived_axes = Optimizer(optimizer.optimizer_def, state, target_axes)
-        return with_zero_sharding(derived_axes, optimizer, shard_state_over, mesh, logical_axis_rules)
+        return derived_axes

@@ -26,7 +26,7 @@ from treeopt.internal import checked_value, placed_like
 from treeopt.step import flat_step
 from treeopt.t5x import _partition_rules, _state
 from treeopt.t5x._base import Optimizer, OptimizerDef, OptimizerState, check_grads
-from treeopt.t5x._zero import with_zero_sharding
+from treeopt.t5x._zero import zero_sharded
 
 
 @struct.dataclass
@@ -254,15 +254,8 @@ class OptaxWrapper(OptimizerDef):
 
     # -- partitioning ---------------------------------------------------------------------
 
-    def derive_logical_axes(
-        self,
-        optimizer: Optimizer,
-        param_logical_axes: Any,
-        *,
-        shard_state_over: str | None = None,
-        mesh: Any = None,
-        logical_axis_rules: Any = None,
-    ) -> Optimizer:
+    @zero_sharded
+    def derive_logical_axes(self, optimizer: Optimizer, param_logical_axes: Any) -> Optimizer:
         """An :class:`Optimizer` of logical specs for ``optimizer``, shaped as T5X shapes it.
 
         ``target`` holds ``param_logical_axes`` (in the target's containers),
@@ -292,7 +285,7 @@ class OptaxWrapper(OptimizerDef):
         param_states = _partition_rules.state_axes(optimizer.state.param_states, param_logical_axes, shapes)
         target = _partition_rules.axes_like(optimizer.target, param_logical_axes)
         axes = optimizer.replace(state=OptimizerState(step=None, param_states=param_states), target=target)
-        return with_zero_sharding(axes, optimizer, shard_state_over, mesh, logical_axis_rules)
+        return axes
 
 
 # -- wrap_optax_optimizer and the aliases ------------------------------------------------------

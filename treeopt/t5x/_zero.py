@@ -12,8 +12,10 @@ module's logger says which, and why.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -193,3 +195,41 @@ def with_zero_sharding(
         logical_axis_rules=logical_axis_rules,
     )
     return axes.replace(state=OptimizerState(axes.state.step, param_states))
+
+
+def zero_sharded(derive: Callable[[Any, Optimizer, Any], Optimizer]) -> Callable[..., Optimizer]:
+    """``derive_logical_axes(optimizer, param_logical_axes)`` with ZeRO-1's keywords, for every definition.
+
+    The method it decorates derives the logical axes; the one it returns also
+    takes ``shard_state_over``, ``mesh`` and ``logical_axis_rules`` (keyword
+    only, all ``None`` by default) and applies :func:`with_zero_sharding`.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from jax.sharding import PartitionSpec as P
+        >>> from treeopt.t5x import optimizers
+        >>> opt_def = optimizers.adam(1e-3)
+        >>> list(inspect.signature(type(opt_def).derive_logical_axes).parameters)[3:]
+        ['shard_state_over', 'mesh', 'logical_axis_rules']
+        >>> opt = opt_def.create({"w": jnp.ones((16, 8))})
+        >>> zero = opt_def.derive_logical_axes(opt, {"w": P("embed", "mlp")}, shard_state_over="batch",
+        ...     mesh={"data": 4}, logical_axis_rules=[("batch", "data"), ("embed", None), ("mlp", None)])
+        >>> zero.state.param_states[0].mu["w"] == P("batch", "mlp")
+        True
+    """
+
+    @functools.wraps(derive)
+    def derive_logical_axes(
+        self: Any,
+        optimizer: Optimizer,
+        param_logical_axes: Any,
+        *,
+        shard_state_over: str | None = None,
+        mesh: Any = None,
+        logical_axis_rules: LogicalRules | None = None,
+    ) -> Optimizer:
+        axes = derive(self, optimizer, param_logical_axes)
+        return with_zero_sharding(axes, optimizer, shard_state_over, mesh, logical_axis_rules)
+
+    derive_logical_axes.__signature__ = inspect.signature(derive_logical_axes, follow_wrapped=False)  # type: ignore[attr-defined]
+    return derive_logical_axes

@@ -74,7 +74,7 @@ from treeopt.t5x._adafactor_step import (
 )
 from treeopt.t5x._base import check_grads
 from treeopt.t5x._partition_rules import check_logical_axes, missing_axes_error
-from treeopt.t5x._zero import with_zero_sharding
+from treeopt.t5x._zero import zero_sharded
 from treeopt.t5x.optimizers import Optimizer, OptimizerDef, OptimizerState
 
 __all__ = [
@@ -452,15 +452,8 @@ class Adafactor(OptimizerDef):
             return
         self.hyper_params = self.hyper_params.replace(factor_map=factor_map_of(rules, param_logical_axes))
 
-    def derive_logical_axes(
-        self,
-        optimizer_state: Optimizer,
-        param_logical_axes: Any,
-        *,
-        shard_state_over: str | None = None,
-        mesh: Any = None,
-        logical_axis_rules: Any = None,
-    ) -> Optimizer:
+    @zero_sharded
+    def derive_logical_axes(self, optimizer_state: Optimizer, param_logical_axes: Any) -> Optimizer:
         """The optimizer's logical axes from the params': an ``Optimizer`` of specs.
 
         As T5X: ``step`` ``None``, the target the params' axes, ``v`` the param's
@@ -497,4 +490,4 @@ class Adafactor(OptimizerDef):
         axes = optimizer_state.replace(
             state=OptimizerState(None, jax.tree.unflatten(treedef, out)), target=param_logical_axes
         )
-        return with_zero_sharding(axes, optimizer_state, shard_state_over, mesh, logical_axis_rules)
+        return axes
