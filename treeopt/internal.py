@@ -21,6 +21,7 @@ Example:
     (Array([1., 1.], dtype=float32), True)
 """
 
+from treeopt._optimizer.parts import STATE_VIEWS, state_views, with_state_views
 from treeopt._sharding.explicit import placed_like, placements
 from treeopt._sharding.specs import (
     derive_spec,
@@ -40,6 +41,7 @@ from treeopt.hyperparams import checked_value, hyperparameter_attribute, sets_hy
 __all__ = [
     "BY_KIND",
     "EXACT",
+    "STATE_VIEWS",
     "Messages",
     "Policy",
     "StateDictSource",
@@ -58,6 +60,8 @@ __all__ = [
     "refuse_a_negative_step",
     "sets_hyperparameter",
     "spec_leaves_with_names",
+    "state_views",
     "with_checksum",
+    "with_state_views",
     "zero_leaf_spec",
 ]

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import flax
 import jax
@@ -43,11 +43,14 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from treeopt.internal import (
+    STATE_VIEWS,
     flat_param_specs,
     hyperparameter_attribute,
     placed_like,
     placements,
     sets_hyperparameter,
+    state_views,
+    with_state_views,
 )
 from treeopt.optimizer import Optimizer as CoreOptimizer
 from treeopt.partitioning import named_shardings, param_specs_of
@@ -215,6 +218,24 @@ class Optimizer(nnx.Pytree, Generic[M]):
         """
         return self._core().paths
 
+    def ema_params(self, model: M) -> Any:
+        """The averages of ``ema=`` as an ``nnx.State`` like ``nnx.state(model, wrt)``, in the variables' dtypes.
+
+        Variables ``ema=`` does not average keep ``model``'s values; ``model``
+        is not changed. Evaluate a copy with them: ``nnx.update(eval_model,
+        optimizer.ema_params(model))``.
+
+        Example:
+            >>> import jax.numpy as jnp, optax, treeopt.nnx
+            >>> from flax import nnx
+            >>> model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+            >>> optimizer = treeopt.nnx.Optimizer(model, optax.sgd(1.0), wrt=nnx.Param, ema=0.5)
+            >>> _ = optimizer.update(model, nnx.grad(lambda m: m(jnp.ones((1, 2))).sum())(model))
+            >>> model.bias[...], optimizer.ema_params(model)["bias"]
+            (Array([-1.], dtype=float32), Array([-0.5], dtype=float32))
+        """
+        return self._core().ema_params(_as_pure(_state(model, self.wrt, graph=self.graph)))
+
     @property
     def hyperparams(self) -> dict[str, Any]:
         """The injected hyperparameters (``optax.inject_hyperparams``) by name.
@@ -362,13 +383,19 @@ class HeldOptimizer(nnx.Pytree):
         (0, 'OptState')
     """
 
+    if TYPE_CHECKING:  # set by set_value, one attribute per state view (STATE_VIEWS)
+        step: Any
+        opt_state: Any
+
     def __init__(self, value: CoreOptimizer):
         self.set_value(value)
 
     def get_value(self) -> CoreOptimizer:
-        """The :class:`treeopt.Optimizer`, rebuilt from the variables' values."""
-        leaves = [_raw_value(v) for v in jax.tree.leaves(self._variables(), is_leaf=_is_variable)]
-        return jax.tree.unflatten(self.structure, leaves)
+        """The :class:`treeopt.Optimizer`, rebuilt from the variables' values, view by view by name."""
+        structure: Any = self.structure
+        template = jax.tree.unflatten(structure, [None] * structure.num_leaves)
+        views = {view: jax.tree.map(_raw_value, getattr(self, view), is_leaf=_is_variable) for view in STATE_VIEWS}
+        return with_state_views(template, views)
 
     get_raw_value = get_value
 
@@ -384,16 +411,14 @@ class HeldOptimizer(nnx.Pytree):
             self.placements = placements(value)
         current = vars(self).get("structure")
         if current is not None and current == structure:
-            variables = jax.tree.leaves(self._variables(), is_leaf=_is_variable)
-            for variable, leaf in zip(variables, jax.tree.leaves(value), strict=True):
-                _set_value(variable, leaf)
+            for view, tree in state_views(value).items():  # view by view, by name
+                variables = jax.tree.leaves(getattr(self, view), is_leaf=_is_variable)
+                for variable, leaf in zip(variables, jax.tree.leaves(tree), strict=True):
+                    _set_value(variable, leaf)
             return
-        held = jax.tree.map(nnx.OptState, value)
         self.structure = nnx.static(structure) if hasattr(nnx, "static") else structure
-        self.step = held.step
-        self.opt_state = nnx.data(held.opt_state) if hasattr(nnx, "data") else held.opt_state
-        self.master = nnx.data(held.master) if hasattr(nnx, "data") else held.master
-        self.rounding = nnx.data(held.rounding) if hasattr(nnx, "data") else held.rounding
+        for view, tree in state_views(jax.tree.map(nnx.OptState, value)).items():
+            setattr(self, view, tree if isinstance(tree, nnx.Variable) or not hasattr(nnx, "data") else nnx.data(tree))
 
     @property
     def value(self) -> CoreOptimizer:
@@ -403,9 +428,6 @@ class HeldOptimizer(nnx.Pytree):
     @value.setter
     def value(self, value: CoreOptimizer) -> None:
         self.set_value(value)
-
-    def _variables(self) -> tuple[Any, Any, Any, Any]:
-        return (self.step, self.opt_state, self.master, self.rounding)
 
 
 def _is_variable(x: Any) -> bool:

@@ -27,7 +27,7 @@ from treeopt._sharding.zero import KEPT_WHOLE, zero_plan
 from treeopt._state.state_dict import StateParts
 from treeopt._step.precision import ROUNDINGS, AsIs, MasterWeights
 from treeopt._tree import children
-from treeopt._tree.children import CHILDREN, MASTER, OPT_STATE, PRECISION_CHILDREN, STEP, VIEWS
+from treeopt._tree.children import CHILDREN, EMA, MASTER, OPT_STATE, PRECISION_CHILDREN, STEP, VIEWS
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "treeopt"
@@ -64,10 +64,12 @@ def _strings_outside_docstrings(path: Path) -> set[str]:
 # -- state children, declared once ----------------------------------------------------------------
 
 
+@pytest.mark.parametrize("ema", [None, 0.99])
 @pytest.mark.parametrize("name", sorted(PRECISIONS))
-def test_the_state_dict_holds_the_declared_children_and_nothing_else(name):
-    opt = treeopt.Optimizer(optax.adam(1e-3), **PRECISIONS[name]).init(_params())
+def test_the_state_dict_holds_the_declared_children_and_nothing_else(name, ema):
+    opt = treeopt.Optimizer(optax.adam(1e-3), ema=ema, **PRECISIONS[name]).init(_params())
     declared = [STEP.name, OPT_STATE.name, *(child.name for child in opt.precision.children)]
+    declared += [EMA.name] if ema is not None else []
     assert list(opt.state_dict()) == declared
     assert set(declared) <= {child.name for child in CHILDREN}
 
@@ -86,7 +88,7 @@ def test_each_precision_state_holds_exactly_its_declared_children(precision):
 
 
 def test_the_optimizer_holds_the_leaves_of_the_parts_under_their_names():
-    opt = treeopt.Optimizer(optax.adam(1e-3), master_dtype=jnp.float32).init(_params())
+    opt = treeopt.Optimizer(optax.adam(1e-3), master_dtype=jnp.float32, ema=0.9).init(_params())
     paths = jax.tree_util.tree_flatten_with_path(opt)[0]
     names = [path[0].name for path, _ in paths]
     assert list(dict.fromkeys(names)) == list(StateParts.leaf_fields())

@@ -18,6 +18,7 @@ from treeopt._sharding.explicit import like_inputs
 from treeopt._sharding.ownership import checked_owned
 from treeopt._state import state_dict as _state_dict
 from treeopt._state.state_dict import StateParts
+from treeopt._step.ema import after_update, checked_ema
 from treeopt._step.initial import as_transformation, transformation_name
 from treeopt._step.options import (
     checked_master_dtype,
@@ -40,7 +41,7 @@ if TYPE_CHECKING:
     from treeopt._step.step_io import FlatStep
 
 # The fields, declared once: static data (the jit cache key) and the leaves.
-_META = ("tx", "wrt", "state_bits", "owned", "precision", "_layout", "_lookahead")
+_META = ("tx", "wrt", "state_bits", "owned", "precision", "ema_rules", "_layout", "_lookahead")
 _DATA = StateParts.leaf_fields()
 _FIELDS = (*_META, *_DATA)
 # What JAX passes when it rebuilds an optimizer, beyond the constructor's own arguments.
@@ -110,6 +111,11 @@ class Optimizer(HyperparameterAccess, StateViews, Partitioned):
             ``treeopt.whole_leaf`` function's) is computed by one owner: ``True``
             (default), ``False`` (as written), or ``{glob: bool}`` by param
             name, the first match deciding, checked as ``state_bits`` globs.
+        ema: keep an exponential moving average of the trained params in
+            float32, moved after each update towards their exact new values
+            (the masters where there are some): a decay in [0, 1), a schedule
+            of the step, or ``{glob: decay | None}`` by name, checked as
+            ``state_bits`` globs. Read it as :attr:`ema` or :meth:`ema_params`.
         **fields: only for JAX, which rebuilds an optimizer from its fields
             (``jax.tree_util.register_dataclass``); never needed in user code.
 
@@ -158,17 +164,10 @@ class Optimizer(HyperparameterAccess, StateViews, Partitioned):
     step: jax.Array | None
     """The number of ``update`` calls so far: an int32 scalar array (a leaf), ``None`` before ``init``.
 
-    Save a checkpoint after the update under ``int(opt.step)``: it then holds
-    the state after that many updates.
-
-    It counts calls, whatever ``tx`` makes of them: under ``optax.MultiSteps``
-    (gradient accumulation) most calls only accumulate, and the number of
-    updates applied to the params is ``gradient_step`` in the optax state, read
-    by name: ``optax.tree_utils.tree_get(opt.opt_state, "gradient_step")``.
-
-    It saturates at 2**31 - 1 (the int32 maximum, which a state dict's
-    ``"step"`` may not exceed either) instead of wrapping to a negative count,
-    as optax's own counts do (``optax.safe_increment``).
+    Save a checkpoint after the update under ``int(opt.step)``. It counts calls:
+    under ``optax.MultiSteps`` the updates applied are ``gradient_step``
+    (``optax.tree_utils.tree_get(opt.opt_state, "gradient_step")``). It
+    saturates at 2**31 - 1, the most a state dict's ``"step"`` may hold.
 
     Example: ``opt.update(grads, params)`` moves ``int(opt.step)`` from 0 to 1.
     """
@@ -194,6 +193,10 @@ class Optimizer(HyperparameterAccess, StateViews, Partitioned):
     """The state of :attr:`precision` (leaves), one type per way: the master copies, the compensation
     buffers or the PRNG key (none as is). ``None`` before ``init``; read it through :attr:`master` and
     :attr:`rounding`."""
+    ema_rules: tuple[tuple[str, Any], ...] | None
+    """The rules ``((glob, decay), ...)`` read from the constructor's ``ema`` (static); ``None``: no average."""
+    ema_state: dict[str, jax.Array] | None
+    """The float32 averages ``{name: array}`` of ``ema=`` (leaves), ``None`` without it; read it as :attr:`ema`."""
 
     def __init__(
         self,
@@ -205,10 +208,11 @@ class Optimizer(HyperparameterAccess, StateViews, Partitioned):
         *,
         rounding_seed: int | None = None,
         owned: bool | Mapping[str, bool] = True,
+        ema: Any = None,
         **fields: Any,
     ):
         if fields:  # JAX rebuilding a flattened optimizer: its fields, checked when it was built
-            if set(fields) != _REBUILT or (master_dtype, param_rounding, rounding_seed) != (None, None, None):
+            if set(fields) != _REBUILT or (master_dtype, param_rounding, rounding_seed, ema) != (None,) * 4:
                 unexpected = sorted(set(fields) - _REBUILT) or sorted(fields)
                 raise TypeError(f"Optimizer() got an unexpected keyword argument {unexpected[0]!r}")
             for name, value in {"tx": tx, "wrt": wrt, "state_bits": state_bits, "owned": owned, **fields}.items():
@@ -222,6 +226,7 @@ class Optimizer(HyperparameterAccess, StateViews, Partitioned):
         object.__setattr__(self, "state_bits", checked_state_bits(state_bits))
         object.__setattr__(self, "owned", checked_owned(owned))
         object.__setattr__(self, "precision", precision_of(master_dtype, param_rounding, seed))
+        object.__setattr__(self, "ema_rules", checked_ema(ema))
         for name in ("_layout", *_DATA):
             object.__setattr__(self, name, None)
         object.__setattr__(self, "_lookahead", False)
@@ -267,7 +272,7 @@ class Optimizer(HyperparameterAccess, StateViews, Partitioned):
             (('dense/kernel',), 0)
         """
         layout, lookahead, parts = initial_parts(
-            self.tx, self.wrt, self.precision, self.state_bits, self.owned, params
+            self.tx, self.wrt, self.precision, self.state_bits, self.owned, params, self.ema_rules
         )
         return with_state_parts(self._with(_layout=layout, _lookahead=lookahead), parts)
 
@@ -337,25 +342,25 @@ class Optimizer(HyperparameterAccess, StateViews, Partitioned):
         result = self._step_on(inputs, apply_updates)
         if not is_tracer(self.step) and not concrete_or_eager_autodiff(result.step):
             raise RuntimeError(CAPTURED)  # a trace we could not see from the inputs
+        ema_state = self.ema_state
+        if ema_state is not None:  # after the update, from its exact new values
+            ema_state = after_update(
+                ema_state, self.ema_rules, self.step, self.precision, self.opt_state, result,
+                inputs.params, apply_updates,
+            )  # fmt: skip
+        stepped = StateParts(result.step, result.opt_state, result.precision_state, ema_state=ema_state)
         for name in _DATA:
-            object.__setattr__(self, name, getattr(result, name))
+            object.__setattr__(self, name, getattr(stepped, name))
         return inputs.rebuild(like_inputs(result.output, inputs.params if apply_updates else inputs.grads))
 
     def _step_on(self, inputs: FlatInputs, apply_updates: bool) -> FlatStep:
         """``flat_step`` on checked inputs; a donated optimizer is named only once JAX refused it."""
         try:
             return flat_step(
-                over_names(self.tx, self._require_layout()),
-                self.step,
-                self.opt_state,
-                inputs.grads,
-                inputs.params,
-                apply_updates=apply_updates,
-                extra_args=inputs.extra_args,
-                precision=self.precision,
-                precision_state=self.precision_state,
-                owned=self.owned,
-            )
+                over_names(self.tx, self._require_layout()), self.step, self.opt_state, inputs.grads,
+                inputs.params, apply_updates=apply_updates, extra_args=inputs.extra_args,
+                precision=self.precision, precision_state=self.precision_state, owned=self.owned,
+            )  # fmt: skip
         except RuntimeError:  # checked only after the failure: the step itself pays nothing
             refuse_donated(self)
             raise

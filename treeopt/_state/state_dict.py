@@ -48,13 +48,17 @@ from treeopt._state.keys import key_data
 from treeopt._state.plain import flatten_paths, to_plain
 from treeopt._state.policies import EXACT, EXACT_OR_WIDER
 from treeopt._state.step_rule import refuse_a_negative_step
-from treeopt._tree.children import OPT_STATE, STEP, child_named
+from treeopt._tree.children import CHILDREN, EMA, OPT_STATE, STEP, child_named
 from treeopt._tree.paths import Path, path_str
 from treeopt.errors import LoadReport
 
+_PATHS = " | ".join(
+    f"{child.name}/<optax state fields>/<parameter name>" if child is OPT_STATE
+    else f"{child.name}/<parameter name>" if child.per_parameter else child.name
+    for child in CHILDREN
+)  # fmt: skip
 _LOAD = Messages(
-    lead="The state dict does not match this optimizer (paths are "
-    "step | opt_state/<optax state fields>/<parameter name> | master/<parameter name>)",
+    lead=f"The state dict does not match this optimizer (paths are {_PATHS})",
     hint="Use load_state_dict(sd, strict=False) to load the matching paths, or "
     "treeopt.serialization.warm_start to start from another optimizer's state.",
     warning="load_state_dict(strict=False): the following paths kept the optimizer's "
@@ -83,6 +87,7 @@ class StateParts:
     step: Any
     opt_state: Any
     precision_state: Any = None
+    ema_state: Any = None
     precision: Any = dataclasses.field(default=None, metadata={"static": True})
 
     @classmethod
@@ -91,13 +96,14 @@ class StateParts:
 
         Example:
             >>> StateParts.leaf_fields()
-            ('step', 'opt_state', 'precision_state')
+            ('step', 'opt_state', 'precision_state', 'ema_state')
         """
         return tuple(field.name for field in dataclasses.fields(cls) if not field.metadata.get("static"))
 
     def entries(self) -> dict[str, Any]:
-        """The precision's entries of the state dict: each of its children under its declared name."""
-        return {} if self.precision is None else self.precision.entries(self.precision_state)
+        """The state dict's entries beyond the step and the optax state: each child under its declared name."""
+        out = {} if self.precision is None else self.precision.entries(self.precision_state)
+        return out if self.ema_state is None else {**out, EMA.name: dict(self.ema_state)}
 
     def by_part(self) -> dict[str, Any]:
         """The trees whose leaves may belong to parameters, by the names ``zero_report`` gives them.
@@ -106,11 +112,12 @@ class StateParts:
         the children declare them (:mod:`treeopt._tree.children`).
         """
         views = {} if self.precision is None else self.precision.views(self.precision_state)
-        return {OPT_STATE.view: self.opt_state, **views}
+        ema = {} if self.ema_state is None else {EMA.view: self.ema_state}
+        return {OPT_STATE.view: self.opt_state, **views, **ema}
 
     def unsplit_parts(self) -> frozenset[str]:
         """The parts of :meth:`by_part` whose children ZeRO-1 never splits (a rounding key), as declared."""
-        children = (OPT_STATE, *(() if self.precision is None else self.precision.children))
+        children = (OPT_STATE, *(() if self.precision is None else self.precision.children), EMA)
         split = {child.view for child in children if child.zero}
         return frozenset(child.view for child in children if child.view not in split)
 
@@ -126,8 +133,9 @@ class StateParts:
         precision_state = self.precision_state
         if self.precision is not None:
             precision_state = self.precision.from_views(precision_state, by_part)
+        ema_state = None if self.ema_state is None else by_part[EMA.view]
         return dataclasses.replace(
-            self, step=step, opt_state=by_part[OPT_STATE.view], precision_state=precision_state
+            self, step=step, opt_state=by_part[OPT_STATE.view], precision_state=precision_state, ema_state=ema_state
         )
 
 

@@ -226,6 +226,19 @@ class Precision:
             },
         )
 
+    def exact_values(self, state: Any, new: Mapping[str, Any]) -> dict[str, Any]:
+        """``{name: the param's exact new value in float32}`` of ``new`` (new params, or the wide values the
+        state holds in their place): never a value rounded to a narrow dtype (what ``ema=`` averages).
+
+        Example:
+            >>> import jax.numpy as jnp
+            >>> _, state = Kahan().init({"w": jnp.ones(1, jnp.bfloat16)})
+            >>> state = KahanState({"w": jnp.full(1, 2**-10, jnp.bfloat16)})
+            >>> Kahan().exact_values(state, {"w": jnp.ones(1, jnp.bfloat16)})["w"].tolist()
+            [1.0009765625]
+        """
+        return {name: jnp.asarray(value, F32) for name, value in new.items()}
+
     def refuse_nothing_narrow(self, flat: Mapping[str, Any]) -> None:
         """A ``ValueError`` naming the option when no floating param is narrow: it would do nothing."""
         floating = sorted({str(leaf.dtype) for leaf in flat.values() if jnp.issubdtype(leaf.dtype, jnp.floating)})
@@ -287,6 +300,9 @@ class MasterWeights(Precision):
 
     def widened(self, state: Any, params: Mapping[str, Any] | None) -> dict[str, Any]:
         return dict(state.master) if params is None else follow(state.master, params)
+
+    def exact_values(self, state: Any, new: Mapping[str, Any]) -> dict[str, Any]:
+        return {**super().exact_values(state, new), **{k: m.astype(F32) for k, m in state.master.items()}}
 
     def narrow_dtypes(
         self, state: Any, wide: Mapping[str, Any], params: Mapping[str, Any] | None
@@ -439,6 +455,10 @@ class Kahan(_Rounded):
             new[k] = (w + total).astype(dtypes[k])
             compensation[k] = (total - (new[k].astype(F32) - w)).astype(compensation[k].dtype)
         return new, KahanState(compensation)
+
+    def exact_values(self, state: Any, new: Mapping[str, Any]) -> dict[str, Any]:
+        exact = super().exact_values(state, new)
+        return {k: v + state.compensation[k].astype(F32) if k in state.compensation else v for k, v in exact.items()}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,8 +1,8 @@
 """The children of an optimizer's state, each declared once: every layer reads its declaration.
 
-A child is one piece of the state: the step count, the optax state, and the
+A child is one piece of the state: the step count, the optax state, the
 params' precision's own state (master copies, Kahan compensation buffers, a
-stochastic-rounding key). Its :class:`StateChild` says, in one place:
+stochastic-rounding key) and the exponential moving average of the params. Its :class:`StateChild` says, in one place:
 
 - its name in the state dict, and the attribute of its state type holding it;
 - the optimizer's read-only view that shows it (``opt.master``, ``opt.rounding``),
@@ -18,14 +18,14 @@ stochastic-rounding key). Its :class:`StateChild` says, in one place:
 The state dict (:mod:`treeopt._state.state_dict`), the precision layer
 (:mod:`treeopt._step.precision`), the sharding wing's ZeRO-1 plan and the
 optimizer's views read these declarations; they never list the children
-again. A new child (an EMA of the params) is one more declaration here, and
-its state where it is made.
+again. A new child is one more declaration here, and its state where it is
+made (the EMA's: :mod:`treeopt._step.ema`).
 
 Example:
     >>> MASTER.name, MASTER.view, MASTER.zero, ROUNDING_KEY.zero
     ('master', 'master', True, False)
     >>> [child.name for child in CHILDREN]
-    ['step', 'opt_state', 'master', 'compensation', 'rounding_key']
+    ['step', 'opt_state', 'master', 'compensation', 'rounding_key', 'ema']
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from collections.abc import Iterable
 __all__ = [
     "CHILDREN",
     "COMPENSATION",
+    "EMA",
     "MASTER",
     "OPT_STATE",
     "PRECISION_CHILDREN",
@@ -94,9 +95,14 @@ ROUNDING_KEY = StateChild(
     held_in="a typed PRNG key, written as its key data",
 )  # fmt: skip
 
+EMA = StateChild(
+    "ema", "ema_state", "ema", None, per_parameter=True, zero=True,
+    held_in="float32, whatever the params' dtype",
+)  # fmt: skip
+
 PRECISION_CHILDREN: tuple[StateChild, ...] = (MASTER, COMPENSATION, ROUNDING_KEY)
 """The children a precision of the params may hold (:mod:`treeopt._step.precision`)."""
-CHILDREN: tuple[StateChild, ...] = (STEP, OPT_STATE, *PRECISION_CHILDREN)
+CHILDREN: tuple[StateChild, ...] = (STEP, OPT_STATE, *PRECISION_CHILDREN, EMA)
 """Every child, in the order of the state dict's entries."""
 
 
