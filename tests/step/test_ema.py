@@ -8,6 +8,8 @@ it) misses is measured against the same float64 reference.
 
 from __future__ import annotations
 
+import re
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -303,3 +305,33 @@ def test_zero_splits_the_average_in_eight_with_one_devices_numbers(axis_types):
     for name, average in opt.ema.items():
         assert {tuple(s.data.shape) for s in average.addressable_shards} != {average.shape}, name
         np.testing.assert_allclose(np.asarray(average), np.asarray(local.ema[name]), rtol=1e-6, err_msg=name)
+
+
+def _collectives(hlo: str) -> dict[str, int]:
+    ops = ("all-gather", "all-reduce", "all-to-all", "collective-permute", "reduce-scatter")
+    return {op: len(re.findall(rf"= \S+ {op}(?:-start)?\(", hlo)) for op in ops}
+
+
+@pytest.mark.parametrize(
+    ("axis_types", "dtype", "options"),
+    [("auto", jnp.bfloat16, {"master_dtype": jnp.float32}), ("explicit", jnp.float32, {})],
+    ids=["auto-masters", "explicit"],
+)
+def test_the_average_of_owned_muon_matrices_needs_no_extra_collective(axis_types, dtype, options):
+    mesh = device_mesh((4, 2), ("data", "model"), axis_types)
+    params = {f"layer{i}": jnp.full((64, 64), 0.1, dtype) for i in range(3)}
+    specs = {name: P(None, "model") for name in params}
+    placed = jax.device_put(params, {name: NamedSharding(mesh, spec) for name, spec in specs.items()})
+    found = {}
+    for ema in (None, 0.99):
+        base = treeopt.Optimizer(optax.contrib.muon(1e-2), ema=ema, **options)
+        opt = init_sharded(base, placed, mesh, specs, shard_state_over="data")
+        shardings = optimizer_shardings(opt, specs, mesh, shard_state_over="data")
+
+        def step(params, opt):
+            return opt.update(jax.tree.map(jnp.ones_like, params), params), opt
+
+        out = ({name: NamedSharding(mesh, spec) for name, spec in specs.items()}, shardings)
+        with jax.set_mesh(mesh):
+            found[ema] = _collectives(jax.jit(step, out_shardings=out).lower(placed, opt).compile().as_text())
+    assert found[0.99] == found[None] and sum(found[None].values()) > 0, found
