@@ -335,3 +335,24 @@ def test_the_average_of_owned_muon_matrices_needs_no_extra_collective(axis_types
         with jax.set_mesh(mesh):
             found[ema] = _collectives(jax.jit(step, out_shardings=out).lower(placed, opt).compile().as_text())
     assert found[0.99] == found[None] and sum(found[None].values()) > 0, found
+
+
+def test_a_checkpoint_of_the_split_average_restores_onto_another_mesh(tmp_path):
+    mesh, small = device_mesh((8,), ("data",)), device_mesh((2,), ("data",))
+    params = _params(jnp.bfloat16)
+    specs = jax.tree.map(lambda _: P(), params)
+    make = lambda: treeopt.Optimizer(optax.adam(1e-2), master_dtype=jnp.float32, ema=0.9)  # noqa: E731
+    placed = jax.device_put(params, jax.tree.map(lambda s: NamedSharding(mesh, s), specs))
+    opt = init_sharded(make(), placed, mesh, specs, shard_state_over="data")
+    for x in _batches(2):
+        placed, opt = _train_step(placed, opt, x)
+    opt = jax.device_put(opt, optimizer_shardings(opt, specs, mesh, shard_state_over="data"))
+    treeopt.checkpoint.save(tmp_path / "ckpt", opt)
+    target = jax.eval_shape(make().init, params)
+    shardings = optimizer_shardings(target, specs, small, shard_state_over="data")
+    restored = treeopt.checkpoint.restore(tmp_path / "ckpt", target, shardings=shardings)
+    for name, average in opt.ema.items():
+        again = restored.ema[name]
+        np.testing.assert_array_equal(np.asarray(again), np.asarray(average), err_msg=name)
+        assert again.sharding.mesh.shape == {"data": 2}
+        assert {s.data.shape for s in again.addressable_shards} == {(again.shape[0] // 2, *again.shape[1:])}
