@@ -99,10 +99,11 @@ def test_the_optimizer_holds_the_leaves_of_the_parts_under_their_names():
 def test_parts_are_rebuilt_by_name_not_by_leaf_order():
     opt = treeopt.Optimizer(optax.adam(1e-3), param_rounding="kahan").init(_params())
     parts = state_parts(opt)
-    # Parts whose leaves come in another order than the optimizer's still land by name.
-    swapped = dataclasses.replace(parts, step=jnp.int32(7))
-    rebuilt = with_state_parts(opt, swapped)
+    # A child the optimizer did not hold lands under its name: rebuilding by leaf order would not fit.
+    averaged = dataclasses.replace(parts, step=jnp.int32(7), ema_state={"dense/kernel": jnp.zeros((4, 8))})
+    rebuilt = with_state_parts(opt, averaged)
     assert int(rebuilt.step) == 7 and rebuilt.opt_state is parts.opt_state
+    assert list(rebuilt.ema) == ["dense/kernel"] and rebuilt.rounding["compensation"] is not None
     specs = opt.partition_specs(jax.tree.map(lambda _: P(), _params()))
     assert specs.step == P()
     assert specs.rounding["compensation"]["dense/kernel"] == P()
