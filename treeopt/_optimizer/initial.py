@@ -39,7 +39,7 @@ def initial_parts(
         >>> from treeopt._step.precision import AS_IS
         >>> layout, _, parts = initial_parts(optax.adam(1e-3), None, AS_IS, None, (), {"w": jnp.ones(2)})
         >>> layout.names, int(parts.step), sorted(parts.opt_state[0].mu), parts.ema_state
-        (('w',), 0, ['w'], None)
+        (('w',), 0, ['w'], ())
     """
     lookahead = is_lookahead(params)
     layout = ParamLayout.of(params.fast if lookahead else params, wrt)

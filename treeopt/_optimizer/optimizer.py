@@ -29,6 +29,7 @@ from treeopt._step.options import (
 from treeopt._step.precision import Precision
 from treeopt._step.traced import flat_step
 from treeopt._step.viewed import over_names
+from treeopt._tree.children import averaging
 from treeopt._tree.layout import ParamLayout, Wrt
 from treeopt._update.donated import donated, refuse_donated
 from treeopt._update.inputs import FlatInputs, flat_inputs
@@ -195,8 +196,8 @@ class Optimizer(HyperparameterAccess, StateViews, Partitioned):
     :attr:`rounding`."""
     ema_rules: tuple[tuple[str, Any], ...] | None
     """The rules ``((glob, decay), ...)`` read from the constructor's ``ema`` (static); ``None``: no average."""
-    ema_state: dict[str, jax.Array] | None
-    """The float32 averages ``{name: array}`` of ``ema=`` (leaves), ``None`` without it; read it as :attr:`ema`."""
+    ema_state: dict[str, jax.Array] | tuple[()] | None
+    """The float32 averages ``{name: array}`` of ``ema=`` (leaves), ``()`` without it; read it as :attr:`ema`."""
 
     def __init__(
         self,
@@ -343,7 +344,7 @@ class Optimizer(HyperparameterAccess, StateViews, Partitioned):
         if not is_tracer(self.step) and not concrete_or_eager_autodiff(result.step):
             raise RuntimeError(CAPTURED)  # a trace we could not see from the inputs
         ema_state = self.ema_state
-        if ema_state is not None:  # after the update, from its exact new values
+        if averaging(ema_state):  # after the update, from its exact new values
             ema_state = after_update(
                 ema_state, self.ema_rules, self.step, self.precision, self.opt_state, result,
                 inputs.params, apply_updates,

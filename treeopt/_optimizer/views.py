@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
-from treeopt._tree.children import COMPENSATION, MASTER
+from treeopt._tree.children import COMPENSATION, MASTER, averaging
 
 __all__ = ["StateViews"]
 
@@ -91,7 +91,7 @@ class StateViews:
         """
         if not self.initialized:
             return None
-        return {} if self.ema_state is None else dict(self.ema_state)
+        return dict(self.ema_state) if averaging(self.ema_state) else {}
 
     def ema_params(self, params: Any) -> Any:
         """``params`` with each averaged param replaced by its average, in the param's dtype.

@@ -48,7 +48,7 @@ from treeopt._state.keys import key_data
 from treeopt._state.plain import flatten_paths, to_plain
 from treeopt._state.policies import EXACT, EXACT_OR_WIDER
 from treeopt._state.step_rule import refuse_a_negative_step
-from treeopt._tree.children import CHILDREN, EMA, OPT_STATE, STEP, child_named
+from treeopt._tree.children import CHILDREN, EMA, NO_AVERAGE, OPT_STATE, STEP, averaging, child_named
 from treeopt._tree.paths import Path, path_str
 from treeopt.errors import LoadReport
 
@@ -87,7 +87,7 @@ class StateParts:
     step: Any
     opt_state: Any
     precision_state: Any = None
-    ema_state: Any = None
+    ema_state: Any = NO_AVERAGE
     precision: Any = dataclasses.field(default=None, metadata={"static": True})
 
     @classmethod
@@ -103,7 +103,7 @@ class StateParts:
     def entries(self) -> dict[str, Any]:
         """The state dict's entries beyond the step and the optax state: each child under its declared name."""
         out = {} if self.precision is None else self.precision.entries(self.precision_state)
-        return out if self.ema_state is None else {**out, EMA.name: dict(self.ema_state)}
+        return {**out, EMA.name: dict(self.ema_state)} if averaging(self.ema_state) else out
 
     def by_part(self) -> dict[str, Any]:
         """The trees whose leaves may belong to parameters, by the names ``zero_report`` gives them.
@@ -112,7 +112,7 @@ class StateParts:
         the children declare them (:mod:`treeopt._tree.children`).
         """
         views = {} if self.precision is None else self.precision.views(self.precision_state)
-        ema = {} if self.ema_state is None else {EMA.view: self.ema_state}
+        ema = {EMA.view: self.ema_state} if averaging(self.ema_state) else {}
         return {OPT_STATE.view: self.opt_state, **views, **ema}
 
     def unsplit_parts(self) -> frozenset[str]:
@@ -133,7 +133,7 @@ class StateParts:
         precision_state = self.precision_state
         if self.precision is not None:
             precision_state = self.precision.from_views(precision_state, by_part)
-        ema_state = None if self.ema_state is None else by_part[EMA.view]
+        ema_state = by_part[EMA.view] if averaging(self.ema_state) else self.ema_state
         return dataclasses.replace(
             self, step=step, opt_state=by_part[OPT_STATE.view], precision_state=precision_state, ema_state=ema_state
         )

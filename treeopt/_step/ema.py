@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from treeopt._tree.children import NO_AVERAGE
 from treeopt._tree.masks import checked_globs, name_matcher
 
 __all__ = ["EmaRules", "after_update", "averaged", "checked_ema", "decays_by_name", "fresh_ema", "moved"]
@@ -100,10 +101,10 @@ def decays_by_name(rules: EmaRules, names: Sequence[str]) -> dict[str, Any]:
     return out
 
 
-def fresh_ema(rules: EmaRules, flat: Mapping[str, Any]) -> dict[str, Any] | None:
-    """The averages at ``init``: a float32 copy of each selected param (``None`` without ``ema=``)."""
+def fresh_ema(rules: EmaRules, flat: Mapping[str, Any]) -> dict[str, Any] | tuple[()]:
+    """The averages at ``init``: a float32 copy of each selected param (``NO_AVERAGE`` without ``ema=``)."""
     if rules is None:
-        return None
+        return NO_AVERAGE
     return {name: jnp.array(flat[name], jnp.float32, copy=True) for name in decays_by_name(rules, list(flat))}
 
 

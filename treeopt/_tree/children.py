@@ -32,18 +32,21 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable
+from typing import Any, TypeGuard
 
 __all__ = [
     "CHILDREN",
     "COMPENSATION",
     "EMA",
     "MASTER",
+    "NO_AVERAGE",
     "OPT_STATE",
     "PRECISION_CHILDREN",
     "ROUNDING_KEY",
     "STEP",
     "VIEWS",
     "StateChild",
+    "averaging",
     "child_named",
     "views_of",
 ]
@@ -118,6 +121,21 @@ def views_of(children: Iterable[StateChild]) -> tuple[str, ...]:
 
 VIEWS = views_of(PRECISION_CHILDREN)
 """The views of the precision's children (``opt.master``, ``opt.rounding``), in their order."""
+
+
+NO_AVERAGE: tuple[()] = ()
+"""What an optimizer without ``ema=`` holds in the EMA's place: an empty node, never ``None``, which a
+tree of specs would read as a spec (replicated) of its own."""
+
+
+def averaging(ema_state: object) -> TypeGuard[dict[str, Any]]:
+    """Whether ``ema_state`` holds averages (a dict by name), rather than :data:`NO_AVERAGE`.
+
+    Example:
+        >>> averaging({"w": 0.0}), averaging({}), averaging(NO_AVERAGE)
+        (True, True, False)
+    """
+    return isinstance(ema_state, dict)
 
 
 def child_named(name: str) -> StateChild | None:
