@@ -41,6 +41,8 @@ from treeopt import checkpoint as ckpt
 from treeopt import serialization as ser
 from treeopt.errors import CheckpointError
 
+from _helpers import device_mesh
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -188,7 +190,7 @@ def _requested_shardings(target, mesh):
 @pytest.mark.parametrize("name", ["adafactor", "noisy_sgd", "multi_transform"])
 def test_restore_onto_named_shardings(name, tmp_path):
     assert len(jax.devices()) == 8
-    mesh = jax.make_mesh((8,), ("x",))
+    mesh = device_mesh((8,), ("x",), "default")
     params = {
         "dense": {"kernel": jnp.arange(32.0).reshape(8, 4), "bias": jnp.ones(4)},
         "table": jnp.ones((16, 2)),
@@ -231,7 +233,7 @@ def test_restore_onto_named_shardings(name, tmp_path):
 
 
 def test_load_state_dict_places_values_on_the_targets_shardings():
-    mesh = jax.make_mesh((8,), ("x",))
+    mesh = device_mesh((8,), ("x",), "default")
     params = {"w": jnp.ones((8, 2))}
     opt = treeopt.Optimizer(optax.adam(1e-2)).init(params)
     sharded = jax.device_put(opt, _requested_shardings(opt, mesh))

@@ -36,11 +36,13 @@ import numpy as np
 import optax
 import pytest
 from jax.experimental import multihost_utils
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import treeopt
 from treeopt.partitioning import init_sharded, named_shardings, optimizer_shardings
+
+from _helpers import device_mesh
 
 ROOT = Path(__file__).resolve().parents[2]
 NUM_PROCESSES = 2
@@ -114,7 +116,7 @@ def train(mesh, shard_state_over=None):
 
 
 def make_mesh(devices):
-    return Mesh(np.array(devices).reshape(2, 4), ("data", "model"))
+    return device_mesh((2, 4), ("data", "model"), devices=devices)
 
 
 def refused_together(directory):
@@ -219,7 +221,10 @@ def run_workers(out_dir: Path) -> list[tuple[int | None, str]]:
     env.update(
         XLA_FLAGS=f"--xla_force_host_platform_device_count={DEVICES_PER_PROCESS}",
         JAX_PLATFORMS="cpu",
-        PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p),
+        # The repository for treeopt, tests/ for the shared helpers (the worker imports _helpers).
+        PYTHONPATH=os.pathsep.join(
+            p for p in (str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")) if p
+        ),
     )
     port = free_port()
     logs = [out_dir / f"worker{i}.log" for i in range(NUM_PROCESSES)]

@@ -31,6 +31,7 @@ from flax import nnx
 import treeopt
 
 import _helpers
+from _helpers import device_mesh
 
 STEPS = 30
 LR = 3e-2
@@ -409,13 +410,12 @@ def test_equinox_partitioned_params():
 def test_an_equinox_module_where_treeopt_evaluates_shapes_gets_the_fix_in_the_error():
     """init_sharded runs jax.eval_shape(opt.init, params): a module's functions fail there, and
     the error says what to use instead (jax.eval_shape's own failure, with a note)."""
-    from jax.sharding import Mesh
 
     from treeopt._sharding.abstract import NON_ARRAY_HINT
     from treeopt.partitioning import init_sharded
 
     model = eqx.nn.MLP(4, 1, width_size=8, depth=1, key=jax.random.key(1))
-    mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
+    mesh = device_mesh((1,), ("data",))
     specs = jax.tree.map(lambda _: None, model)
     with pytest.raises(TypeError, match="as an abstract array") as info:
         init_sharded(treeopt.Optimizer(optax.adam(1e-2)), model, mesh, specs)

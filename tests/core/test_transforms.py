@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 import treeopt
 
 import _helpers
+from _helpers import device_mesh
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}
 GRAD_TOL = {"rtol": 1e-4, "atol": 1e-6}
@@ -364,7 +365,7 @@ def test_shard_map_with_optimizer_passed_in(tx_name):
         "adam": optax.adam(0.05),
         "chain_clip_adamw": optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(0.05, weight_decay=0.1)),
     }[tx_name]
-    mesh = jax.make_mesh((8,), ("data",))
+    mesh = device_mesh((8,), ("data",), "default")
     x = jax.device_put(X, NamedSharding(mesh, P("data")))
     y = jax.device_put(Y, NamedSharding(mesh, P("data")))
     params = make_params()

@@ -23,7 +23,7 @@ from flax import nnx, traverse_util
 
 import treeopt
 
-from _helpers import assert_trees_close
+from _helpers import assert_trees_close, device_mesh
 
 # A tree with every nnx Variable replaced by its value (nnx.pure before flax 0.12.7).
 as_pure = getattr(nnx, "as_pure", None) or nnx.pure
@@ -312,7 +312,7 @@ def test_a_single_partition_spec_for_bare_array_params() -> None:
     from treeopt import partitioning
 
     params = jnp.zeros(16)
-    mesh = jax.make_mesh((8,), ("data",))
+    mesh = device_mesh((8,), ("data",), "default")
     opt = treeopt.Optimizer(optax.adam(1e-3)).init(params)
     assert partitioning.param_specs_of(params) == P()
     assert opt.partition_specs(P("data")).opt_state[0].mu[""] == P("data")

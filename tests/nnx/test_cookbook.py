@@ -16,10 +16,12 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from jax.sharding import AxisType, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import treeopt.nnx
+
+from _helpers import device_mesh
 
 # A tree with every nnx Variable replaced by its value (nnx.pure before flax 0.12.7).
 as_pure = getattr(nnx, "as_pure", None) or nnx.pure
@@ -94,8 +96,7 @@ def _sharded_spec(value: Any) -> P:
 
 @pytest.mark.parametrize("axes", ["explicit", "auto"])
 def test_optimizer_sharding_metadata_lays_out_the_state_as_nnx_does(axes: str) -> None:
-    kind = AxisType.Explicit if axes == "explicit" else AxisType.Auto
-    mesh = jax.make_mesh((2, 4), ("x", "y"), axis_types=(kind, kind))
+    mesh = device_mesh((2, 4), ("x", "y"), axes)
     init = nnx.with_metadata(jax.nn.initializers.lecun_normal(), optimizer_sharding=P("x", "y"))
     with jax.set_mesh(mesh):
         expected, _, theirs = _train(
@@ -116,7 +117,7 @@ def test_optimizer_sharding_metadata_lays_out_the_state_as_nnx_does(axes: str) -
 
 
 def test_optimizer_sharding_with_shard_state_over() -> None:
-    mesh = jax.make_mesh((2, 4), ("data", "model"))
+    mesh = device_mesh((2, 4), ("data", "model"), "default")
     init = nnx.with_metadata(jax.nn.initializers.lecun_normal(), optimizer_sharding=P(None, "model"))
     with jax.set_mesh(mesh):
         model = _model(nnx.Rngs(3), init)

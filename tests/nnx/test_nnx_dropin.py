@@ -24,7 +24,7 @@ import treeopt
 import treeopt.nnx
 import treeopt.serialization
 
-from _helpers import assert_trees_close, assert_trees_equal
+from _helpers import assert_trees_close, assert_trees_equal, device_mesh
 
 # The same tests on every supported flax: 0.12.0 reads a Variable's value as `.value` (later
 # releases: get_value / set_value) and calls nnx.as_pure nnx.pure; graph modes came in 0.12.8.
@@ -408,7 +408,7 @@ def test_grads_of_a_split_state_update_the_model_it_came_from():
 
 
 def test_the_state_of_a_sharded_param_is_laid_out_like_it():
-    mesh = jax.make_mesh((2, 4), ("a", "b"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    mesh = device_mesh((2, 4), ("a", "b"), "auto")
     kernel_init = nnx.with_partitioning(nnx.initializers.lecun_normal(), sharding=("a", "b"))
     with jax.set_mesh(mesh):
         model = nnx.Linear(4, 8, kernel_init=kernel_init, use_bias=False, rngs=nnx.Rngs(0))
@@ -525,7 +525,7 @@ def test_a_checkpoint_of_the_treeopt_state_resumes_bit_for_bit(tmp_path):
 
 
 def test_partition_specs_from_the_models_specs_and_zero_over_data():
-    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    mesh = device_mesh((4, 2), ("data", "model"), "auto")
     init = functools.partial(nnx.with_partitioning, sharding=(None, "model"))
     with jax.set_mesh(mesh):
         model = nnx.Linear(8, 4, kernel_init=init(nnx.initializers.lecun_normal()), rngs=nnx.Rngs(0))
@@ -571,8 +571,7 @@ class ShardedMLP(nnx.Module):
     ids=["float32", "bf16-8bit-kahan"],
 )
 def test_zero_state_leaves_the_params_where_they_were(axis_type, options):
-    kind = {"auto": jax.sharding.AxisType.Auto, "explicit": jax.sharding.AxisType.Explicit}[axis_type]
-    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(kind, kind))
+    mesh = device_mesh((4, 2), ("data", "model"), axis_type)
     model = ShardedMLP(mesh, jnp.bfloat16 if options else jnp.float32)
     with jax.set_mesh(mesh):
         optimizer = treeopt.nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param, **options)

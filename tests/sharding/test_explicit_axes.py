@@ -22,13 +22,11 @@ from jax.sharding import PartitionSpec as P
 import treeopt
 from treeopt.partitioning import init_sharded, named_shardings, optimizer_shardings
 
+from _helpers import device_mesh
+
 AXIS_TYPES = {"auto": AxisType.Auto, "explicit": AxisType.Explicit}
 SPECS = {"w1": P(None, "model"), "b1": P("model"), "w2": P("model", None)}
 STEPS = 3
-
-
-def make_mesh(axis_type):
-    return jax.make_mesh((4, 2), ("data", "model"), axis_types=(axis_type, axis_type))
 
 
 def make_params(mesh, dtype=jnp.float32):
@@ -66,7 +64,7 @@ def train_step(params, opt, x, y):
 
 
 def run(axis_type, master_dtype=None, param_dtype=jnp.float32):
-    mesh = make_mesh(axis_type)
+    mesh = device_mesh((4, 2), ("data", "model"), axis_type)
     params = make_params(mesh, param_dtype)
     opt = treeopt.Optimizer(optax.adam(1e-2), master_dtype=master_dtype)
     opt = init_sharded(opt, params, mesh, SPECS, shard_state_over="data")
@@ -79,7 +77,7 @@ def run(axis_type, master_dtype=None, param_dtype=jnp.float32):
 
 def zero_adam(axis_type):
     """A mesh of ``axis_type``, the params on it, and Adam's state ZeRO-split over "data"."""
-    mesh = make_mesh(axis_type)
+    mesh = device_mesh((4, 2), ("data", "model"), axis_type)
     params = make_params(mesh)
     return mesh, params, init_sharded(treeopt.Optimizer(optax.adam(1e-2)), params, mesh, SPECS, shard_state_over="data")
 
@@ -162,7 +160,7 @@ def test_a_row_split_kernel_under_zero_steps_as_unsharded():
 
     The grads (P("model")) meet the state (P(("model", "data"))) in the state's layout.
     """
-    mesh = make_mesh(AxisType.Explicit)
+    mesh = device_mesh((4, 2), ("data", "model"), "explicit")
     specs = {"w": P("model", None)}
     w = jax.random.normal(jax.random.key(3), (32, 6))
     opt = init_sharded(

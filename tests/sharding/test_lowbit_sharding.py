@@ -21,6 +21,8 @@ from jax.sharding import PartitionSpec as P
 
 import treeopt
 
+from _helpers import device_mesh
+
 SPECS = {"w": P(), "v": P(), "m": P(None, "model")}
 
 
@@ -54,7 +56,7 @@ def _options(precision):
     ],
 )
 def test_zero_and_model_sharded_low_bit_state_steps_exactly_as_unsharded(axis_type, bits, precision):
-    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(axis_type, axis_type))
+    mesh = device_mesh((4, 2), ("data", "model"), axis_type)
     dtype = jnp.bfloat16 if precision else jnp.float32
     params = _params(dtype)
     shardings = {k: NamedSharding(mesh, s) for k, s in SPECS.items()}
@@ -82,7 +84,7 @@ def test_zero_and_model_sharded_low_bit_state_steps_exactly_as_unsharded(axis_ty
 
 
 def test_the_model_axis_splits_the_codes_of_a_model_sharded_param():
-    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+    mesh = device_mesh((4, 2), ("data", "model"), "explicit")
     opt = treeopt.Optimizer(optax.adam(1e-3), state_bits=8).init(_params(jnp.float32))
     specs = opt.partition_specs(SPECS, mesh=mesh)
     m, w = specs.opt_state[0].mu["m"], specs.opt_state[0].mu["w"]
@@ -97,7 +99,7 @@ def test_the_model_axis_splits_the_codes_of_a_model_sharded_param():
 
 @pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
 def test_a_bf16_kahan_8bit_zero_program_compiles_without_involuntary_rematerialization(axis_type, capfd):
-    mesh = jax.make_mesh((8,), ("data",), axis_types=(axis_type,))
+    mesh = device_mesh((8,), ("data",), axis_type)
     params = jax.device_put(_params(jnp.bfloat16), NamedSharding(mesh, P()))
     specs = jax.tree.map(lambda _: P(), params)
     opt = treeopt.partitioning.init_sharded(
@@ -137,7 +139,7 @@ def _steps(opt, params, grads_of, n, shardings=None):
     ids=["rows-of-two-blocks", "one-short-block", "1d-4bit"],
 )
 def test_blocks_cut_by_a_model_shard_step_as_one_device(axis_type, shape, spec, bits):
-    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(axis_type, axis_type))
+    mesh = device_mesh((2, 4), ("data", "model"), axis_type)
     shardings = {"w": NamedSharding(mesh, spec)}
     params = {"w": jax.random.normal(jax.random.key(0), shape)}
     options = {"state_bits": bits, "param_rounding": None}
@@ -170,7 +172,7 @@ def test_blocks_cut_by_a_model_shard_step_as_one_device(axis_type, shape, spec, 
 
 @pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit], ids=["auto", "explicit"])
 def test_a_row_split_kernel_splits_its_low_bit_state_over_data_too(axis_type):
-    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(axis_type, axis_type))
+    mesh = device_mesh((4, 2), ("data", "model"), axis_type)
     specs = {"w": P("model", None)}  # (512, 64) split by rows: an MLP's down projection
     params = jax.device_put({"w": jnp.ones((512, 64), jnp.bfloat16)}, NamedSharding(mesh, specs["w"]))
     tx = optax.adam(1e-3)
@@ -194,7 +196,7 @@ def test_a_row_split_kernel_splits_its_low_bit_state_over_data_too(axis_type):
 
 
 def test_a_4bit_leaf_whose_bytes_span_the_shards_says_so():
-    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+    mesh = device_mesh((4, 2), ("data", "model"), "explicit")
     opt = jax.eval_shape(treeopt.Optimizer(optax.adam(1e-3), state_bits=4).init, {"v": jnp.ones(4096)})
     report = treeopt.partitioning.zero_report(opt, {"v": P()}, mesh, "data")
     reasons = {leaf.path: leaf.reason for leaf in report.leaves}
@@ -205,7 +207,7 @@ def test_a_4bit_leaf_whose_bytes_span_the_shards_says_so():
 def test_warm_start_from_live_zero_low_bit_state_is_the_same_on_both_axis_types():
     results = {}
     for axis_type in (AxisType.Auto, AxisType.Explicit):
-        mesh = jax.make_mesh((8,), ("data",), axis_types=(axis_type,))
+        mesh = device_mesh((8,), ("data",), axis_type)
         specs = {"w": P(), "v": P()}
         shardings = {k: NamedSharding(mesh, s) for k, s in specs.items()}
         params = jax.device_put({"w": jnp.ones((64, 64)), "v": jnp.ones(8192)}, shardings)
@@ -240,7 +242,7 @@ class _Lookalike:
 
 
 def test_only_a_leaf_that_subclasses_the_spec_contract_is_asked_for_its_specs():
-    from treeopt._lowbit.codec import quantize
+    from treeopt._lowbit import quantize
     from treeopt._sharding.specs import SpecifiesItself, is_self_specified, state_leaf_specs
     from treeopt.layout import ParamLayout
 

@@ -41,11 +41,14 @@ import treeopt.nnx
 from treeopt.partitioning import init_sharded, named_shardings, optimizer_shardings
 from treeopt.t5x import optimizers as t5x_optimizers
 
+from _helpers import device_mesh
+
 pytestmark = pytest.mark.slow
 
 FACES = ("core", "nnx", "t5x")
 PRECISIONS = ("float32", "master", "kahan", "stochastic")
 BITS = (None, 8, 4)
+# "default": as a new user writes it, JAX's own axis types (explicit in current JAX).
 MESHES = ("auto", "explicit", "default")
 PLACEMENTS = ("replicated", "zero", "model+zero")
 FACTORS = {"face": FACES, "precision": PRECISIONS, "bits": BITS, "mesh": MESHES, "placement": PLACEMENTS}
@@ -105,13 +108,6 @@ def test_every_pair_of_factors_has_a_cell():
             )
             if possible:
                 assert any(c[a] == x and c[b] == y for c in cells), f"no cell has {a}={x!r} and {b}={y!r}"
-
-
-def make_mesh(kind):
-    if kind == "default":  # as a new user writes it: JAX's default axis types (explicit in current JAX)
-        return jax.make_mesh((4, 2), ("data", "model"))
-    axis_type = AxisType.Auto if kind == "auto" else AxisType.Explicit
-    return jax.make_mesh((4, 2), ("data", "model"), axis_types=(axis_type, axis_type))
 
 
 def is_explicit(mesh):
@@ -260,7 +256,8 @@ def assert_on(tree, shardings):
 @pytest.mark.parametrize(("face", "precision", "bits", "mesh", "placement"), CELLS)
 def test_cell(face, precision, bits, mesh, placement, tmp_path):
     transformation = tx()  # one object: shardings and restores compare the optimizers' static data
-    sharded = Face(face, precision, bits, make_mesh(mesh), placement, transformation)
+    the_mesh = device_mesh((4, 2), ("data", "model"), mesh)
+    sharded = Face(face, precision, bits, the_mesh, placement, transformation)
     plain = Face(face, precision, bits, None, placement, transformation)
     with jax.set_mesh(sharded.mesh):
         for i in range(STEPS):

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import AxisType, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from test_ownership import assert_close, params_bytes, sharded
 
@@ -25,13 +25,10 @@ from benchmarks import _hlo
 from treeopt._sharding.whole_leaf import collected, registered
 from treeopt.partitioning import init_sharded, named_shardings, zero_report
 
-AXIS_TYPES = {"auto": AxisType.Auto, "explicit": AxisType.Explicit}
+from _helpers import device_mesh
+
+AXIS_TYPES = ("auto", "explicit")
 REMAT = "Involuntary full rematerialization"
-
-
-def mesh_of(axis_type, shape=(8,), names=("data",)):
-    kind = AXIS_TYPES[axis_type]
-    return jax.make_mesh(shape, names, axis_types=(kind,) * len(names))
 
 
 def make_params(shapes, seed=0):
@@ -93,7 +90,7 @@ def test_a_data_by_model_mesh_moves_at_most_a_quarter_more_than_the_params(axis_
     params = make_params(shapes)
     tx = optax.contrib.muon(1e-2)
     want = one_device(tx, params, 2)
-    mesh = mesh_of(axis_type, (4, 2), ("data", "model"))
+    mesh = device_mesh((4, 2), ("data", "model"), axis_type)
     capfd.readouterr()
     got, _, program = on_mesh(tx, params, mesh, specs, 2)
     assert REMAT not in capfd.readouterr().err
@@ -125,7 +122,7 @@ def test_stacked_leaves_split_on_any_axis_step_as_one_device(axis_type, mesh_sha
     dims = {"stack": optax.contrib.MuonDimensionNumbers(reduction_axis=1, output_axis=2), "single": None}
     tx = optax.contrib.muon(1e-2, muon_weight_dimension_numbers=dims)
     want = one_device(tx, params, 2)
-    mesh = mesh_of(axis_type, mesh_shape, ("x", "y"))
+    mesh = device_mesh(mesh_shape, ("x", "y"), axis_type)
     specs = {"stack": spec, "single": P()}
     got, _, program = on_mesh(tx, params, mesh, specs, 2, over="x")
     assert_close(got, want)
@@ -139,7 +136,7 @@ def test_a_3d_leaf_folded_into_one_matrix_steps_as_one_device(axis_type):
     dims = {"heads": optax.contrib.MuonDimensionNumbers(reduction_axis=(0, 1), output_axis=2), "w": None}
     tx = optax.contrib.muon(1e-2, muon_weight_dimension_numbers=dims)
     want = one_device(tx, params, 2)
-    mesh = mesh_of(axis_type, (4, 2), ("data", "model"))
+    mesh = device_mesh((4, 2), ("data", "model"), axis_type)
     specs = {"heads": P(None, None, "model"), "w": P(None, "model")}
     got, _, program = on_mesh(tx, params, mesh, specs, 2)
     assert_close(got, want)
@@ -153,7 +150,7 @@ def test_a_1x1_explicit_mesh_steps_as_one_device():
     params = make_params({"w": (16, 32), "v": (32, 16)})
     tx = optax.contrib.muon(1e-2)
     want = one_device(tx, params, 2)
-    mesh = jax.make_mesh((1, 1), ("data", "model"), axis_types=(AxisType.Explicit,) * 2, devices=jax.devices()[:1])
+    mesh = device_mesh((1, 1), ("data", "model"), "explicit")
     got, _, _ = on_mesh(tx, params, mesh, {"w": P("data", "model"), "v": P("model", "data")}, 2)
     assert_close(got, want)
 
@@ -164,7 +161,7 @@ def test_an_eager_update_with_unplaced_grads_steps_as_one_device(axis_type):
     tx = optax.contrib.muon(1e-2)
     opt = treeopt.Optimizer(tx).init(params)
     want = opt.update(jax.tree.map(np.asarray, grads_at(params, 0)), params)
-    mesh = mesh_of(axis_type)
+    mesh = device_mesh((8,), ("data",), axis_type)
     specs = {"w": P(), "b": P()}
     placed = jax.device_put(params, named_shardings(specs, mesh))
     zero = init_sharded(treeopt.Optimizer(tx), placed, mesh, specs, shard_state_over="data")
@@ -180,7 +177,7 @@ def test_an_unplaced_optimizer_of_multisteps_steps_eagerly_under_a_mesh_context(
     want = one_device(tx, params, 3)
     opt = treeopt.Optimizer(tx).init(params)
     got = params
-    with jax.set_mesh(mesh_of(axis_type)):
+    with jax.set_mesh(device_mesh((8,), ("data",), axis_type)):
         for i in range(3):
             got = opt.update(grads_at(got, i), got)
     assert_close(got, want)
@@ -206,7 +203,7 @@ def test_whole_leaf_calls_inside_control_flow_step_as_one_device(axis_type, wrap
     tx = WRAPPERS[wrapper](optax.contrib.muon(1e-2))
     want = one_device(tx, params, 3)
     specs = {name: P() for name in params}
-    got, _, program = on_mesh(tx, params, mesh_of(axis_type), specs, 3, owned=owned)
+    got, _, program = on_mesh(tx, params, device_mesh((8,), ("data",), axis_type), specs, 3, owned=owned)
     assert_close(got, want)
     assert program.in_loops() == []
 
@@ -231,7 +228,7 @@ def test_calls_are_matched_by_the_gradient_they_compute_from_not_by_shape():
             labels,
         ),
     )
-    mesh = mesh_of("explicit")
+    mesh = device_mesh((8,), ("data",), "explicit")
     opt = treeopt.Optimizer(tx, owned={"b_kernel": False}).init(params)
     report = zero_report(opt, {name: P() for name in params}, mesh, shard_state_over="data")
     named = {leaf.param: bool(leaf.owners) for leaf in report.owned}
@@ -262,7 +259,7 @@ def test_with_nothing_to_own_the_update_is_traced_once(axis_type):
         return adam.update(updates, state, params)
 
     tx = optax.GradientTransformation(adam.init, update)
-    mesh = mesh_of(axis_type)
+    mesh = device_mesh((8,), ("data",), axis_type)
     specs = {"w": P(), "b": P()}
     placed = jax.device_put(params, named_shardings(specs, mesh))
     opt = init_sharded(treeopt.Optimizer(tx), placed, mesh, specs, shard_state_over="data")
@@ -301,7 +298,8 @@ def test_a_users_own_orthogonalizer_is_owned_at_a_quarter_of_the_flops(axis_type
     params = make_params({f"layer{i}/kernel": (64, 128) for i in range(8)})
     tx = orthogonalized_momentum(1e-2)
     want = one_device(tx, params, 2)
-    got, _, program = on_mesh(tx, params, mesh_of(axis_type), {name: P() for name in params}, 2)
+    mesh = device_mesh((8,), ("data",), axis_type)
+    got, _, program = on_mesh(tx, params, mesh, {name: P() for name in params}, 2)
     assert_close(got, want)
     assert program.in_loops() == []
     reference = jax.jit(step).lower(params, treeopt.Optimizer(tx).init(params), params).compile()

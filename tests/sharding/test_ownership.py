@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import AxisType, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import treeopt
@@ -27,7 +27,9 @@ from treeopt._sharding.ownership import owners, plan
 from treeopt._sharding.whole_leaf import collected
 from treeopt.partitioning import init_sharded, named_shardings, optimizer_shardings
 
-AXIS_TYPES = {"auto": AxisType.Auto, "explicit": AxisType.Explicit}
+from _helpers import device_mesh
+
+AXIS_TYPES = ("auto", "explicit")
 MATRICES = {f"layer{i}/kernel": (64, 64) for i in range(8)}
 RTOL, ATOL = 1e-5, 1e-6
 
@@ -40,11 +42,6 @@ def make_params(shapes=MATRICES):
 def grads_at(params, i):
     """Eager jax ops in the params' dtype, whatever array type holds them (numpy would round bf16 otherwise)."""
     return {name: jnp.sin(jnp.asarray(p) * (i + 2.0)) for name, p in params.items()}
-
-
-def mesh_of(axis_type, shape=(8,), names=("data",)):
-    kind = AXIS_TYPES[axis_type]
-    return jax.make_mesh(shape, names, axis_types=(kind,) * len(names))
 
 
 def step(p, o, g):
@@ -91,7 +88,7 @@ def test_muon_under_zero_steps_as_one_device_with_one_exchange(axis_type):
     params = make_params()
     tx = optax.contrib.muon(1e-2)
     want, _ = one_device(tx, params, 3)
-    got, _, program = sharded(tx, params, mesh_of(axis_type), 3)
+    got, _, program = sharded(tx, params, device_mesh((8,), ("data",), axis_type), 3)
     assert_close(got, want)
     assert program.in_loops() == []
     assert program.bytes() <= 2 * params_bytes(params), program.collectives
@@ -113,7 +110,7 @@ def test_matrices_of_mixed_shapes_and_uneven_counts_step_as_one_device(axis_type
     params = make_params(shapes)
     tx = optax.contrib.muon(1e-2)
     want, _ = one_device(tx, params, 2)
-    got, _, program = sharded(tx, params, mesh_of(axis_type), 2)
+    got, _, program = sharded(tx, params, device_mesh((8,), ("data",), axis_type), 2)
     assert_close(got, want)
     reference = jax.jit(step).lower(params, treeopt.Optimizer(tx).init(params), params).compile()
     # The dearest device does one 64 x 128 matrix (0.29 of them all); a device that computed the zeros its
@@ -139,7 +136,7 @@ def test_model_sharded_bf16_params_are_owned_with_their_precision(axis_type, pre
     want = params
     for i in range(3):
         want, opt = jax.jit(step)(want, opt, grads_at(want, i))
-    mesh = mesh_of(axis_type, (4, 2), ("data", "model"))
+    mesh = device_mesh((4, 2), ("data", "model"), axis_type)
     got, got_opt, program = sharded(tx, params, mesh, 3, specs, **options)
     for name, spec in specs.items():
         assert got[name].sharding.spec == spec and got[name].dtype == jnp.bfloat16, name
@@ -178,7 +175,8 @@ def test_more_newton_schulz_steps_add_no_collective(axis_type):
     params = make_params()
     counts = {}
     for ns_steps in (5, 10):
-        _, _, program = sharded(optax.contrib.muon(1e-2, ns_steps=ns_steps), params, mesh_of(axis_type), 1)
+        tx = optax.contrib.muon(1e-2, ns_steps=ns_steps)
+        _, _, program = sharded(tx, params, device_mesh((8,), ("data",), axis_type), 1)
         counts[ns_steps] = (program.count(), program.bytes())
     assert counts[10] == counts[5]
 
@@ -188,7 +186,7 @@ def test_gradient_accumulation_steps_as_one_device(axis_type):
     params = make_params()
     tx = optax.MultiSteps(optax.contrib.muon(1e-2), every_k_schedule=2)
     want, _ = one_device(tx, params, 4)
-    got, _, program = sharded(tx, params, mesh_of(axis_type), 4)
+    got, _, program = sharded(tx, params, device_mesh((8,), ("data",), axis_type), 4)
     assert_close(got, want)
     reference = jax.jit(step).lower(params, treeopt.Optimizer(tx).init(params), params).compile()
     assert program.flops <= _hlo.read(reference).flops / 4  # owned inside the accumulation's lax.cond
@@ -201,7 +199,7 @@ def test_a_stacked_leaf_is_owned_slice_by_slice_where_it_lies(axis_type):
     tx = optax.contrib.muon(1e-2, muon_weight_dimension_numbers=dims)
     params = make_params({"stack": (8, 64, 64)})
     want, _ = one_device(tx, params, 2)
-    mesh = mesh_of(axis_type)
+    mesh = device_mesh((8,), ("data",), axis_type)
     got, opt, program = sharded(tx, params, mesh, 2)
     assert_close(got, want)
     # ZeRO's own rule would split the largest dimension (64); a stacked whole-leaf param's state splits by layer.
@@ -221,7 +219,7 @@ def test_a_stacked_leaf_is_owned_slice_by_slice_where_it_lies(axis_type):
 def test_state_dicts_load_between_owned_and_one_device():
     params = make_params()
     tx = optax.contrib.muon(1e-2)
-    mesh = mesh_of("explicit")
+    mesh = device_mesh((8,), ("data",), "explicit")
     _, owned, _ = sharded(tx, params, mesh, 2)
     plain = treeopt.Optimizer(tx).init(params).load_state_dict(owned.state_dict())
     for a, b in zip(jax.tree.leaves(plain.state_dict()), jax.tree.leaves(owned.state_dict()), strict=True):
@@ -240,7 +238,7 @@ def test_owned_false_leaves_the_matrices_to_optax_by_name_or_all(axis_type):
     params = make_params()
     tx = optax.contrib.muon(1e-2)
     want, _ = one_device(tx, params, 2)
-    mesh = mesh_of(axis_type)
+    mesh = device_mesh((8,), ("data",), axis_type)
     _, _, owned = sharded(tx, params, mesh, 2)
     got, opt, everywhere = sharded(tx, params, mesh, 2, owned=False)
     assert_close(got, want)
@@ -343,7 +341,7 @@ def test_8bit_muon_momentum_trains_like_float32():
 
 
 def test_8bit_muon_momentum_is_owned_in_an_eighth_of_a_byte_a_param_per_device():
-    mesh = mesh_of("explicit")
+    mesh = device_mesh((8,), ("data",), "explicit")
     specs = {name: P() for name in TEACHER}
     params = jax.device_put(student(), named_shardings(specs, mesh))
     owned = init_sharded(
@@ -383,9 +381,9 @@ def one_device_8bit(params, steps):
 def test_a_checkpoint_of_owned_state_restores_onto_half_the_devices_and_resumes(tmp_path):
     params = make_params()
     tx = optax.contrib.muon(1e-2)
-    _, eight, _ = sharded(tx, params, mesh_of("explicit"), 2)
+    _, eight, _ = sharded(tx, params, device_mesh((8,), ("data",), "explicit"), 2)
     treeopt.checkpoint.save(tmp_path / "ckpt", eight)
-    four = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
+    four = device_mesh((4,), ("data",), "default")
     specs = {name: P() for name in params}
     target = jax.eval_shape(treeopt.Optimizer(tx).init, params)
     shardings = optimizer_shardings(target, specs, four, shard_state_over="data")
@@ -412,7 +410,7 @@ def test_the_nnx_drop_in_owns_muons_matrices_under_zero(axis_type):
         def __init__(self, values):
             self.kernels = nnx.Dict({name.split("/")[0]: nnx.Param(value) for name, value in values.items()})
 
-    mesh = mesh_of(axis_type)
+    mesh = device_mesh((8,), ("data",), axis_type)
     shardings = named_shardings({name: P() for name in params}, mesh)
     model = Layers(jax.device_put(params, shardings))
     optimizer = treeopt.nnx.Optimizer(model, optax.contrib.muon(1e-2), wrt=nnx.Param)
@@ -443,7 +441,7 @@ def test_treeopt_t5x_owns_muons_matrices_under_its_zero(axis_type):
     nested = {name.split("/")[0]: {"kernel": value} for name, value in params.items()}
     axes = jax.tree.map(lambda _: P("embed", "mlp"), nested)
     rules = [("batch", "data"), ("embed", None), ("mlp", None)]
-    mesh = mesh_of(axis_type)
+    mesh = device_mesh((8,), ("data",), axis_type)
     opt_def = optimizers.OptaxWrapper(optax.contrib.muon(1e-2))
     logical = opt_def.derive_logical_axes(
         jax.eval_shape(opt_def.create, nested),

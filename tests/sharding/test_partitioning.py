@@ -35,7 +35,7 @@ import pytest
 from _cases import TRANSFORMATIONS as PARITY_TRANSFORMATIONS
 from _cases import grads_at
 from flax.core import FrozenDict
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from jax.tree_util import DictKey, GetAttrKey, SequenceKey
 
@@ -49,7 +49,7 @@ from treeopt.partitioning import (
     param_specs_of,
 )
 
-from _helpers import python_blocks
+from _helpers import device_mesh, python_blocks
 
 MIN_DIM = 2  # adafactor's min_dim_size_to_factor: small, so the test params get factored
 
@@ -146,7 +146,7 @@ def make_params():
 
 
 def make_mesh():
-    return Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "model"))
+    return device_mesh((2, 4), ("data", "model"))
 
 
 # -- the expected rule, leaf by leaf ------------------------------------------------
@@ -633,7 +633,7 @@ def test_partition_specs_checks_the_specs_axes_against_the_mesh_naming_the_param
 
 
 def test_none_for_param_specs_is_named_with_where_to_read_them():
-    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "model"))
+    mesh = make_mesh()
     opt = jax.eval_shape(treeopt.Optimizer(optax.adam(1e-3)).init, {"w": jnp.ones((8, 8))})
     for call in (
         lambda: optimizer_shardings(opt, None, mesh, shard_state_over="data"),

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from jax.tree_util import DictKey
 from test_partitioning import PARAM_SPECS as PARITY_PARAM_SPECS
@@ -33,6 +33,8 @@ from treeopt.partitioning import (
     optimizer_specs,
     zero_report,
 )
+
+from _helpers import device_mesh
 
 STEPS = 20
 RTOL, ATOL = 1e-6, 1e-7
@@ -68,11 +70,11 @@ def make_params():
 
 
 def mesh_1d():
-    return Mesh(np.array(jax.devices()[:8]), ("data",))
+    return device_mesh((8,), ("data",))
 
 
 def mesh_2d():
-    return Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("data", "model"))
+    return device_mesh((4, 2), ("data", "model"))
 
 
 MESHES = {"data=8": (mesh_1d, SPECS_1D), "data=4 x model=2": (mesh_2d, SPECS_2D)}
@@ -194,7 +196,7 @@ def check_zero_rule(opt, base, zero, axes, sizes, owned=()):
 def test_every_transformation_follows_the_rule(name):
     # The parity list of tests/sharding/test_partitioning.py, on its (data=2, model=4) specs.
     opt = jax.eval_shape(treeopt.Optimizer(PARITY_TRANSFORMATIONS[name]()).init, make_parity_params())
-    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "model"))
+    mesh = device_mesh((2, 4), ("data", "model"))
     base = optimizer_specs(opt, PARITY_PARAM_SPECS)
     for over in ("data", "model", ("data", "model")):
         zero = optimizer_specs(opt, PARITY_PARAM_SPECS, shard_state_over=over, mesh=mesh)
@@ -561,7 +563,7 @@ def test_checkpoint_restores_into_zero_replicated_and_smaller_meshes(tmp_path):
     saved = [np.asarray(leaf) for leaf in jax.tree.leaves(opt)]
     target = jax.eval_shape(treeopt.Optimizer(tx).init, make_params())
 
-    small = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "model"))
+    small = device_mesh((2, 2), ("data", "model"))
     layouts = {
         "ZeRO-sharded, same mesh": optimizer_shardings(target, SPECS_2D, mesh, shard_state_over="data"),
         "replicated": NamedSharding(mesh, P()),

@@ -41,6 +41,8 @@ import treeopt
 from treeopt import serialization as ser
 from treeopt._state.plain import flatten_paths as flatten
 
+from _helpers import device_mesh
+
 # -- round trips, every transformation --------------------------------------------------
 
 
@@ -362,8 +364,8 @@ def test_checksum_is_the_same_on_host_and_on_device(dtype):
 
     x = jnp.arange(-3, 9).reshape(3, 4).astype(dtype)
     assert _host_sums(np.asarray(x)) == _device_leaf_sums(x)
-    for axis_type in (jax.sharding.AxisType.Explicit, jax.sharding.AxisType.Auto):
-        mesh = jax.make_mesh((4,), ("x",), devices=jax.devices()[:4], axis_types=(axis_type,))
+    for axis_type in ("explicit", "auto"):
+        mesh = device_mesh((4,), ("x",), axis_type)
         sharded = jax.device_put(x.reshape(4, 3), NamedSharding(mesh, P("x")))
         assert _device_leaf_sums(sharded) == _host_sums(np.asarray(x).reshape(4, 3))
 
@@ -431,7 +433,7 @@ def test_loaded_leaves_are_copies_so_donating_the_loaded_optimizer_keeps_the_sou
 
 
 def test_loading_onto_sharded_leaves_copies_and_keeps_the_placement():
-    mesh = jax.make_mesh((4,), ("x",), devices=jax.devices()[:4])
+    mesh = device_mesh((4,), ("x",), "default")
     sharding = NamedSharding(mesh, P("x"))
     params = {"w": jax.device_put(jnp.arange(16.0).reshape(8, 2), sharding)}
     params, source = train(params, treeopt.Optimizer(optax.adam(1e-2)).init(params), 2)

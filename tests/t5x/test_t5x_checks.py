@@ -70,11 +70,28 @@ def test_derive_logical_axes_refuses_what_partition_specs_refuses(kind, case):
         )  # "PartitionSpec longer than the parameter's rank: 'dense/kernel' ..."
 
 
+# The state's axes derive_logical_axes gives for AXES: Adam's moments take their param's axes,
+# Adafactor's factored v_row/v_col the kernel's axes without the one each averages over (the
+# bias, too small to factor, keeps a whole v), and plain SGD under MultiOptimizer has no state.
+GOOD_STATE_AXES = {
+    "optax": (optax.ScaleByAdamState(count=None, mu=AXES, nu=AXES), optax.EmptyState()),
+    "adafactor": {
+        "dense": {
+            "kernel": adafactor.AdafactorParamState(v_row=P("embed"), v_col=P("mlp"), v=None, m=None),
+            "bias": adafactor.AdafactorParamState(v_row=None, v_col=None, v=P("mlp"), m=None),
+        }
+    },
+    "multi": ((optax.EmptyState(), optax.EmptyState()),),
+}
+
+
 @pytest.mark.parametrize("kind", sorted(DEFS))
 def test_derive_logical_axes_still_takes_good_axes(kind):
     opt_def = DEFS[kind]()
     axes = opt_def.derive_logical_axes(opt_def.create(PARAMS), AXES)
     assert axes.target == AXES
+    assert axes.state.step is None
+    assert axes.state.param_states == GOOD_STATE_AXES[kind]
 
 
 @pytest.mark.parametrize("case", sorted(BAD_GRADS))

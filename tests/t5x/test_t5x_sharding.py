@@ -15,21 +15,18 @@ import numpy as np
 import optax
 import pytest
 from _cases import grads_at
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from treeopt.t5x import optimizers
 
-from _helpers import is_spec
+from _helpers import device_mesh, is_spec
 
 RULES = [("embed", "data"), ("mlp", "model"), ("vocab", None), ("layers", None)]
 
 
 def mesh():
-    devices = jax.devices()
-    if len(devices) < 8:
-        pytest.fail("these tests need 8 devices: XLA_FLAGS=--xla_force_host_platform_device_count=8")
-    return Mesh(np.array(devices[:8]).reshape(4, 2), ("data", "model"))
+    return device_mesh((4, 2), ("data", "model"))
 
 
 def to_shardings(logical, the_mesh):

@@ -19,12 +19,12 @@ import optax
 import pytest
 from _cases import grads_at
 from flax import traverse_util
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from treeopt.t5x import adafactor, optimizers
 
-from _helpers import is_spec
+from _helpers import device_mesh, is_spec
 
 # T5X's standard rules, trimmed to the axes used here.
 RULES = [
@@ -60,10 +60,7 @@ AXES = {
 
 
 def make_mesh(data, model):
-    devices = jax.devices()
-    if len(devices) < 8:
-        pytest.fail("these tests need 8 devices: XLA_FLAGS=--xla_force_host_platform_device_count=8")
-    return Mesh(np.array(devices[:8]).reshape(data, model), ("data", "model"))
+    return device_mesh((data, model), ("data", "model"))
 
 
 def shardings_of(logical, mesh):

@@ -18,13 +18,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import treeopt
 from treeopt._step.rounding import stochastic_round
 
-from _helpers import assert_trees_equal
+from _helpers import assert_trees_equal, device_mesh
 from _teacher_student import TeacherStudent, final_loss
 
 D_IN, D_HIDDEN, D_OUT = 64, 128, 32
@@ -429,7 +428,7 @@ def test_warm_start_from_a_run_without_the_option_and_back():
 
 
 def test_the_compensation_takes_its_params_spec_and_zero_one_splits_it():
-    mesh = Mesh(np.array(jax.devices()[:8]).reshape(8, 1), ("data", "model"))
+    mesh = device_mesh((8, 1), ("data", "model"))
     opt = treeopt.Optimizer(optax.adam(1e-4), param_rounding="kahan").init(make_params(BF16))
     specs = opt.partition_specs({"w1": P(None, "model"), "w2": P("model")})
     assert specs.rounding["compensation"]["w1"] == P(None, "model")

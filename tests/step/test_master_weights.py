@@ -14,13 +14,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import treeopt
 from treeopt.errors import StateDictError
 
-from _helpers import assert_trees_equal
+from _helpers import assert_trees_equal, device_mesh
 
 STEPS = 100
 F32, BF16 = jnp.float32, jnp.bfloat16
@@ -320,7 +320,7 @@ def test_each_master_gets_its_params_spec_and_zero_adds_the_data_axis():
         "dense/bias": P("model"),
         "head": P("model", None),
     }
-    mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("data", "model"))
+    mesh = device_mesh((4, 2), ("data", "model"))
     zero = opt.partition_specs(specs, shard_state_over="data", mesh=mesh)
     assert zero.master["dense/kernel"] == P("data", "model")
     assert zero.master["head"] == P("model", "data")  # its free dimension, 4, divides over data=4
@@ -345,7 +345,7 @@ def zero_loss(params, x):
 
 
 def test_zero_one_splits_masters_and_state_eightfold_with_the_same_numbers():
-    mesh = Mesh(np.array(jax.devices()[:8]), ("data",))
+    mesh = device_mesh((8,), ("data",))
     params = zero_params()
     specs = jax.tree.map(lambda _: P(), params)
     tx = optax.adamw(1e-3, weight_decay=0.01)

@@ -85,7 +85,18 @@ def test_state_dict_after_steps_loads_into_init_and_eval_shape_of_init(route, tm
 
 
 def test_transformations_needing_extra_arguments_still_initialize():
-    tx = optax.contrib.reduce_on_plateau()
-    opt = treeopt.Optimizer(optax.chain(optax.sgd(0.1), tx)).init({"w": jnp.ones(2)})
-    opt.update({"w": jnp.ones(2)}, {"w": jnp.ones(2)}, value=jnp.float32(1.0))
+    tx = optax.chain(optax.sgd(0.1), optax.contrib.reduce_on_plateau())
+    params, grads = {"w": jnp.ones(2)}, {"w": jnp.ones(2)}
+    opt = treeopt.Optimizer(tx).init(params)
+    plateau = opt.opt_state[1]
+    assert float(plateau.best_value) == np.inf and float(plateau.scale) == 1.0  # tx.init's, with no value
+    new = opt.update(grads, params, value=jnp.float32(1.0))
+    np.testing.assert_array_equal(new["w"], np.full(2, 0.9, np.float32))  # 1 - 0.1 * 1 * scale 1
+    plateau = opt.opt_state[1]
+    assert float(plateau.best_value) == 1.0 and int(plateau.plateau_count) == 0  # the value reached tx
     assert int(opt.step) == 1
+    # The same step of raw optax: the same params and state.
+    updates, raw_state = tx.update(grads, tx.init(params), params, value=jnp.float32(1.0))
+    np.testing.assert_array_equal(new["w"], optax.apply_updates(params, updates)["w"])
+    for got, want in zip(jax.tree.leaves(opt.opt_state), jax.tree.leaves(raw_state), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

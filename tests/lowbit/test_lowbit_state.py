@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import treeopt
@@ -26,7 +26,7 @@ from treeopt._lowbit.codec import Format, QuantizedLeaf, is_quantized
 from treeopt._step import traced
 from treeopt.errors import StateDictError
 
-from _helpers import assert_trees_equal
+from _helpers import assert_trees_equal, device_mesh
 from _teacher_student import TeacherStudent, final_loss
 
 D_IN, D_HIDDEN, D_OUT = 64, 128, 64
@@ -312,7 +312,7 @@ def test_checkpoints_and_the_manager_round_trip_low_bit_state(tmp_path):
 
 
 def _mesh():
-    return Mesh(np.array(jax.devices()[:8]).reshape(8, 1), ("data", "model"))
+    return device_mesh((8, 1), ("data", "model"))
 
 
 def test_partition_specs_give_codes_the_params_spec_and_scales_the_axes_they_keep():
@@ -401,7 +401,16 @@ def test_named_shardings_of_the_specs_place_every_low_bit_leaf():
     opt = treeopt.Optimizer(optax.adam(1e-3), state_bits=8).init({"w": jnp.ones((64, 512))})
     shardings = treeopt.partitioning.optimizer_shardings(opt, {"w": P()}, mesh, shard_state_over="data")
     placed = jax.device_put(opt, shardings)
-    assert isinstance(placed.opt_state[0].mu["w"].codes.sharding, NamedSharding)
+    for field in ("mu", "nu"):
+        leaf, before = getattr(placed.opt_state[0], field)["w"], getattr(opt.opt_state[0], field)["w"]
+        # Split over the 8 "data" devices by rows: each holds 8 rows of codes and their whole blocks' scales.
+        assert leaf.codes.sharding == NamedSharding(mesh, P("data")), field
+        assert leaf.scales.sharding == NamedSharding(mesh, P("data")), field
+        assert {s.data.shape for s in leaf.codes.addressable_shards} == {(8, 512)}
+        assert {s.data.shape for s in leaf.scales.addressable_shards} == {(8, 2)}
+        assert leaf.format == before.format
+        np.testing.assert_array_equal(np.asarray(leaf.codes), np.asarray(before.codes))
+        np.testing.assert_array_equal(np.asarray(leaf.scales), np.asarray(before.scales))
 
 
 def test_a_donated_eight_bit_step_overwrites_its_codes_instead_of_copying_them(monkeypatch):

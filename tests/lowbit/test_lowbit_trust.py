@@ -522,16 +522,16 @@ def test_a_format_of_a_newer_version_is_left_to_the_report():
     assert "opt_state/0/mu/w" not in {p for p, _, _ in report.converted}
     np.testing.assert_array_equal(loaded.opt_state[0].mu["w"].codes, target.opt_state[0].mu["w"].codes)
 def test_the_low_bit_reader_runs_only_where_a_side_holds_codes(monkeypatch):
-    from treeopt._state import state_dict as state_dicts
+    from treeopt._lowbit import state as lowbit_state
 
     calls = []
-    converter = state_dicts.converted_source
+    converter = lowbit_state.converted_source
 
     def counted(*args, **kwargs):
         calls.append(None)
         return converter(*args, **kwargs)
 
-    monkeypatch.setattr(state_dicts, "converted_source", counted)
+    monkeypatch.setattr(lowbit_state, "converted_source", counted)
     params = {"w": jnp.zeros((64, 64))}
     full = treeopt.Optimizer(optax.adam(1e-2)).init(params)
     low = treeopt.Optimizer(optax.adam(1e-2), state_bits=8).init(params)
