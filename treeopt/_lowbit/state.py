@@ -62,7 +62,7 @@ from treeopt._lowbit.statistics import (
 )
 from treeopt._sharding.explicit import explicit_sharding, resharded_like
 from treeopt._tree.layout import ParamLayout
-from treeopt._tree.masks import checked_globs, name_matcher
+from treeopt._tree.masks import checked_rules, values_by_name
 from treeopt._tree.paths import Path, param_owners, path_str
 from treeopt.errors import LoadReport, StateDictError
 
@@ -96,20 +96,7 @@ def checked_state_bits(state_bits: Any) -> StateBits:
         ...
         ValueError: state_bits must be None, 8, 4, or a mapping {glob over parameter names: 8 | 4 | None}, got 16.
     """
-    if state_bits is None:
-        return None
-    if isinstance(state_bits, Mapping):
-        rules = tuple(state_bits.items())
-        bad = [
-            (glob, bits) for glob, bits in rules if not isinstance(glob, str) or not _valid_bits(bits, True)
-        ]
-        if not bad and rules:
-            return rules
-        shown = f"the entries {dict(bad)}" if bad else "an empty mapping"
-        raise ValueError(f"state_bits must be {_CHOICES}, got {shown}.")
-    if _valid_bits(state_bits, False):
-        return (("*", state_bits),)
-    raise ValueError(f"state_bits must be {_CHOICES}, got {state_bits!r}.")
+    return checked_rules("state_bits", state_bits, _valid_bits, _CHOICES)
 
 
 def _valid_bits(bits: Any, none_ok: bool) -> bool:
@@ -133,16 +120,7 @@ def bits_by_name(rules: StateBits, names: Sequence[str]) -> dict[str, int]:
         ...
         ValueError: state_bits: the glob 'embed/*' comes after '*', which already decides every name it matches (['embed/table']): it has no effect. Put the narrower glob first: state_bits={'embed/*': ..., '*': ...}.
     """
-    if not rules:
-        return {}
-    checked_globs("state_bits", rules, names)
-    matchers = [(glob, name_matcher(glob), bits) for glob, bits in rules]
-    out = {}
-    for name in names:
-        bits = next((bits for _, match, bits in matchers if match(name)), None)
-        if bits is not None:
-            out[name] = bits
-    return out
+    return values_by_name("state_bits", rules, names)
 
 
 # -- which leaves ----------------------------------------------------------------------------------

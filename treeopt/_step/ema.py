@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import optax
 
 from treeopt._tree.children import NO_AVERAGE
-from treeopt._tree.masks import checked_globs, name_matcher
+from treeopt._tree.masks import checked_rules, name_matcher, values_by_name
 
 __all__ = ["EmaRules", "after_update", "averaged", "checked_ema", "decays_by_name", "fresh_ema", "moved"]
 
@@ -61,18 +61,7 @@ def checked_ema(ema: Any) -> EmaRules:
         ...
         ValueError: ema must be None, a decay in [0, 1) or a schedule of the step, or a mapping {glob over parameter names: decay | None}, got 1.0.
     """
-    if ema is None:
-        return None
-    if isinstance(ema, Mapping):
-        rules = tuple(ema.items())
-        bad = [(glob, decay) for glob, decay in rules if not isinstance(glob, str) or not _valid(decay, True)]
-        if not bad and rules:
-            return rules
-        shown = f"the entries {dict(bad)}" if bad else "an empty mapping"
-        raise ValueError(f"ema must be {_CHOICES}, got {shown}.")
-    if _valid(ema, False):
-        return (("*", ema),)
-    raise ValueError(f"ema must be {_CHOICES}, got {ema!r}.")
+    return checked_rules("ema", ema, _valid, _CHOICES)
 
 
 @functools.lru_cache(maxsize=64)
@@ -89,16 +78,7 @@ def decays_by_name(rules: EmaRules, names: Sequence[str]) -> dict[str, Any]:
         >>> decays_by_name((("embed/*", None), ("*", 0.99)), ["embed/table", "dense/kernel"])
         {'dense/kernel': 0.99}
     """
-    if not rules:
-        return {}
-    checked_globs("ema", rules, names)
-    matchers = [(name_matcher(glob), decay) for glob, decay in rules]
-    out = {}
-    for name in names:
-        decay = next((decay for match, decay in matchers if match(name)), None)
-        if decay is not None:
-            out[name] = decay
-    return out
+    return values_by_name("ema", rules, names)
 
 
 def fresh_ema(rules: EmaRules, flat: Mapping[str, Any]) -> dict[str, Any] | tuple[()]:

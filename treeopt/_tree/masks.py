@@ -73,6 +73,61 @@ def checked_globs(option: str, rules: Sequence[tuple[str, Any]], names: Sequence
             deciding.setdefault(name, glob)
 
 
+def checked_rules(
+    option: str, value: Any, valid: Callable[[Any, bool], bool], choices: str
+) -> tuple[tuple[str, Any], ...] | None:
+    """An option given for every parameter or by name, as rules ``((glob, value), ...)`` read in order.
+
+    ``None`` stays ``None``; a mapping ``{glob: value}`` is its rules, each
+    value checked by ``valid(value, True)`` (``True``: in a mapping, where
+    ``None`` leaves a name out); any other value is ``(("*", value),)``,
+    checked by ``valid(value, False)``. A ``ValueError`` names the option and
+    ``choices`` otherwise.
+
+    Example:
+        >>> valid = lambda v, in_mapping: v in (8, 4) or (in_mapping and v is None)
+        >>> checked_rules("state_bits", 8, valid, "8 or 4"), checked_rules("state_bits", {"b": None, "*": 4}, valid, "")
+        ((('*', 8),), (('b', None), ('*', 4)))
+        >>> checked_rules("state_bits", 16, valid, "8 or 4")
+        Traceback (most recent call last):
+        ...
+        ValueError: state_bits must be 8 or 4, got 16.
+    """
+    if value is None:
+        return None
+    if isinstance(value, Mapping):
+        rules = tuple(value.items())
+        bad = [(glob, v) for glob, v in rules if not isinstance(glob, str) or not valid(v, True)]
+        if not bad and rules:
+            return rules
+        shown = f"the entries {dict(bad)}" if bad else "an empty mapping"
+        raise ValueError(f"{option} must be {choices}, got {shown}.")
+    if valid(value, False):
+        return (("*", value),)
+    raise ValueError(f"{option} must be {choices}, got {value!r}.")
+
+
+def values_by_name(option: str, rules: Sequence[tuple[str, Any]] | None, names: Sequence[str]) -> dict[str, Any]:
+    """``{name: value}`` of the names whose first matching glob of ``rules`` gives a value other than ``None``.
+
+    The globs are checked first (:func:`checked_globs`): each must decide a name.
+
+    Example:
+        >>> values_by_name("ema", (("embed/*", None), ("*", 0.9)), ["embed/table", "dense/kernel"])
+        {'dense/kernel': 0.9}
+    """
+    if not rules:
+        return {}
+    checked_globs(option, rules, names)
+    matchers = [(name_matcher(glob), value) for glob, value in rules]
+    out = {}
+    for name in names:
+        value = next((value for match, value in matchers if match(name)), None)
+        if value is not None:
+            out[name] = value
+    return out
+
+
 def _map_names(fn: Callable[[str], Any], params: Params) -> Any:
     dtype = getattr(params, "dtype", None)
     if dtype is not None and jnp.issubdtype(dtype, jnp.integer):
