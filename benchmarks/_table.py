@@ -67,6 +67,20 @@ NOTES: dict[str, Sequence[tuple[str, str]]] = {
         ("moved", "moved {:.1%}"),
         ("error", "{}"),
     ),
+    "ema": (
+        ("vs_treeopt", "x treeopt {:.3f}"),
+        ("vs_treeopt_pass1", "pass 1 {:.3f}"),
+        ("vs_treeopt_pass2", "pass 2 {:.3f}"),
+        ("p25_ms", "p25 {:.1f}"),
+        ("p75_ms", "p75 {:.1f}"),
+        ("mib_device0", "{:.2f} MiB/device"),
+        ("master_bytes_per_param", "masters {:.3f} B/param"),
+        ("ema_leaves_split", "{} leaves split"),
+        ("error_step_10", "step 10: {:.1e}"),
+        ("error_step_100", "step 100: {:.1e}"),
+        ("moved", "moved from its start {:.1%}"),
+        ("error", "{}"),
+    ),
     "memory_ladder": (
         ("optimizer_bytes_per_param", "optimizer {:.3f} B/param"),
         ("zero_bytes_per_param_device0", "ZeRO-1 {:.3f} B/param/device"),
@@ -93,6 +107,8 @@ def _value(row: Row) -> str:
     if row.unit == "traces":
         return f"{row.value:.0f}"
     if row.unit in ("loss", "rel. L2"):  # values near 1 or below, compared in their third digit
+        if row.value != 0 and abs(row.value) < 1e-3:  # an error by orders of magnitude smaller
+            return f"{row.value:.2e} {row.unit}"
         return f"{row.value:.4f} {row.unit}"
     return f"{row.value:.1f} {row.unit}"
 

@@ -28,6 +28,7 @@ if __package__ in (None, ""):  # run as a script: python benchmarks/run.py
 from benchmarks import (
     compile_time,
     eager,
+    ema,
     gpu_bandwidth,
     gpu_lowbit,
     gpu_muon,
@@ -85,6 +86,10 @@ CASES: dict[str, tuple[str, Callable[..., list[Row]]]] = {
         muon.run,
     ),
     "gpu_muon": ("17. GPU: what one data-parallel device pays for Muon, owned or not (ms per step)", gpu_muon.run),
+    "ema": (
+        "18. EMA of params: step time with and without ema=, bytes per param, error of the average (own process)",
+        ema.run,
+    ),
 }
 
 

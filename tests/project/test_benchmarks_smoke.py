@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import _common, gpu_bandwidth, gpu_lowbit, gpu_muon, memory_ladder, run, train_step
+from benchmarks import _common, ema, gpu_bandwidth, gpu_lowbit, gpu_muon, memory_ladder, run, train_step
 
 CASE_VARIANTS = {
     "train_step": {"optax", "treeopt", "TrainState", "nnx split/merge", "nnx.jit"},
@@ -178,6 +178,23 @@ def check_memory_ladder_parts(r: dict) -> None:
         assert parts["moments"] < 2.2 * n, r  # codes and scales, and the small leaves in full
 
 
+def check_ema_average_is_float32_split_like_the_masters_and_exact(results: dict) -> None:
+    by_variant = {r["variant"]: r for r in rows(results, "ema")}
+    assert set(by_variant) == {*ema.VARIANTS, *ema.LAYOUTS, *ema.AVERAGES.values()}
+    for r in by_variant.values():
+        assert "error" not in r and math.isfinite(r["value"]) and r["value"] >= 0, r
+    assert by_variant["optax"]["ratio_to_optax"] == 1.0
+    assert by_variant[ema.WITH_EMA]["vs_treeopt"] > 0
+    # float32: 4 bytes a param replicated, an eighth of it on each device under ZeRO-1, as the masters.
+    replicated, zero = by_variant["replicated"], by_variant["ZeRO-1 over data"]
+    assert replicated["value"] == 4.0 and zero["value"] == 0.5, (replicated, zero)
+    assert all(r["master_bytes_per_param"] == r["value"] for r in (replicated, zero))
+    assert zero["ema_leaves_split"] == zero["ema_leaves"]
+    # Against the float64 average of the masters: treeopt's to float32 rounding, the bf16 one far off.
+    ours, bf16 = (by_variant[label]["value"] for label in ema.AVERAGES.values())
+    assert ours < 1e-5 and bf16 > 10 * ours, (ours, bf16)
+
+
 def check_gpu_case_skips_cleanly_without_a_gpu(results: dict) -> None:
     for case in ("gpu_bandwidth", "gpu_lowbit", "gpu_muon"):
         first, *_ = rows(results, case)
@@ -204,6 +221,19 @@ def test_smoke_run_measures_every_case(tmp_path: Path) -> None:
     check_zero_splits_the_state_eight_ways(saved)
     check_mixed_precision_bytes_follow_the_arithmetic(saved)
     check_memory_ladder_bytes_follow_the_arithmetic(saved)
+    check_ema_average_is_float32_split_like_the_masters_and_exact(saved)
+
+
+@pytest.mark.slow  # compiles four train steps in a fresh process: the slow tier (-m slow) runs it
+def test_smoke_run_of_the_ema_case(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def draw(*_: object, **__: object) -> None:
+        raise AssertionError("--smoke draws no figure")
+
+    monkeypatch.setattr(ema, "draw", draw)
+    run.main(["--smoke", "--silent", "--cases", "ema", "--out", str(tmp_path)])
+    check_ema_average_is_float32_split_like_the_masters_and_exact(
+        json.loads((tmp_path / "latest.json").read_text())
+    )
 
 
 @pytest.mark.slow  # compiles the GPU case's programs on CPU: the slow tier (-m slow) runs it
