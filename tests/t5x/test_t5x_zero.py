@@ -294,3 +294,18 @@ def test_twenty_steps_match_the_unsharded_run(name):
         if "data" in jax.tree.leaves(tuple(leaf.sharding.spec))
     ]
     assert sharded_over_data, "no state leaf is sharded over the data axis"
+
+
+def test_derive_logical_axes_takes_t5xs_own_argument_names_with_the_zero_keywords():
+    from treeopt.t5x.adafactor import Adafactor
+
+    opt_def = Adafactor(0.1, min_dim_size_to_factor=2)
+    opt = opt_def.create({"w": jnp.ones((16, 8))})
+    rules = [("batch", "data"), ("embed", None), ("mlp", None)]
+    zero = {"shard_state_over": "batch", "mesh": {"data": 4}, "logical_axis_rules": rules}
+    by_name = opt_def.derive_logical_axes(optimizer_state=opt, param_logical_axes={"w": P("embed", "mlp")}, **zero)
+    by_position = opt_def.derive_logical_axes(opt, {"w": P("embed", "mlp")}, **zero)
+    assert by_name.state.param_states == by_position.state.param_states
+    assert "batch" in tuple(by_name.state.param_states["w"].v_row)
+    plain = opt_def.derive_logical_axes(optimizer_state=opt, param_logical_axes={"w": P("embed", "mlp")})
+    assert "batch" not in tuple(plain.state.param_states["w"].v_row)

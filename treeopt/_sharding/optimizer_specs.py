@@ -95,8 +95,7 @@ def whole_leaves_of(
     Example:
         >>> import jax, jax.numpy as jnp, numpy as np, optax
         >>> from jax.sharding import Mesh
-        >>> from treeopt._tree.children import OPT_STATE
-from treeopt._tree.layout import ParamLayout
+        >>> from treeopt._tree.layout import ParamLayout
         >>> params = {"w": jnp.ones((8, 4)), "b": jnp.ones(4)}
         >>> tx = optax.contrib.muon(1e-2)
         >>> mesh = Mesh(np.array(jax.devices()[:1]), ("data",))

@@ -218,18 +218,26 @@ def zero_sharded(derive: Callable[[Any, Optimizer, Any], Optimizer]) -> Callable
         True
     """
 
+    own = inspect.signature(derive)
+    optimizer_name = list(own.parameters)[1]  # T5X's own name for it (Adafactor: optimizer_state)
+
     @functools.wraps(derive)
     def derive_logical_axes(
         self: Any,
-        optimizer: Optimizer,
-        param_logical_axes: Any,
-        *,
+        *args: Any,
         shard_state_over: str | None = None,
         mesh: Any = None,
         logical_axis_rules: LogicalRules | None = None,
+        **kwargs: Any,
     ) -> Optimizer:
-        axes = derive(self, optimizer, param_logical_axes)
+        optimizer = own.bind(self, *args, **kwargs).arguments[optimizer_name]
+        axes = derive(self, *args, **kwargs)
         return with_zero_sharding(axes, optimizer, shard_state_over, mesh, logical_axis_rules)
 
-    derive_logical_axes.__signature__ = inspect.signature(derive_logical_axes, follow_wrapped=False)  # type: ignore[attr-defined]
+    zero = [
+        inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=annotation)
+        for name, annotation in (("shard_state_over", "str | None"), ("mesh", "Any"), ("logical_axis_rules", "Any"))
+    ]
+    signature = own.replace(parameters=[*own.parameters.values(), *zero])
+    derive_logical_axes.__signature__ = signature  # type: ignore[attr-defined]
     return derive_logical_axes
