@@ -346,8 +346,8 @@ class Optimizer(HyperparameterAccess, StateViews, Partitioned):
         ema_state = self.ema_state
         if averaging(ema_state):  # after the update, from its exact new values
             ema_state = after_update(
-                ema_state, self.ema_rules, self.step, self.precision, self.opt_state, result,
-                inputs.params, apply_updates,
+                ema_state, self.ema_rules, self._require_layout().names, self.step, self.precision,
+                self.opt_state, result, inputs.params, apply_updates,
             )  # fmt: skip
         stepped = StateParts(result.step, result.opt_state, result.precision_state, ema_state=ema_state)
         for name in _DATA:

@@ -26,7 +26,7 @@ Example:
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -34,9 +34,9 @@ import jax.numpy as jnp
 import optax
 
 from treeopt._tree.children import NO_AVERAGE
-from treeopt._tree.masks import checked_rules, name_matcher, values_by_name
+from treeopt._tree.masks import checked_rules, values_by_name
 
-__all__ = ["EmaRules", "after_update", "averaged", "checked_ema", "decays_by_name", "fresh_ema", "moved"]
+__all__ = ["EmaRules", "after_update", "averaged", "checked_ema", "decays_by_name", "fresh_ema"]
 
 EmaRules = tuple[tuple[str, Any], ...] | None
 _CHOICES = "None, a decay in [0, 1) or a schedule of the step, or a mapping {glob over parameter names: decay | None}"
@@ -64,13 +64,6 @@ def checked_ema(ema: Any) -> EmaRules:
     return checked_rules("ema", ema, _valid, _CHOICES)
 
 
-@functools.lru_cache(maxsize=64)
-def _decays(rules: EmaRules, averaged_names: tuple[str, ...]) -> dict[str, Any]:
-    """The decay of each averaged name (whose globs ``init`` checked): its first matching rule's."""
-    matchers = [(name_matcher(glob), decay) for glob, decay in rules or ()]
-    return {name: next(decay for match, decay in matchers if match(name)) for name in averaged_names}
-
-
 def decays_by_name(rules: EmaRules, names: Sequence[str]) -> dict[str, Any]:
     """``{name: decay}`` of the params whose average is kept; globs checked as ``state_bits=``'s are.
 
@@ -88,16 +81,6 @@ def fresh_ema(rules: EmaRules, flat: Mapping[str, Any]) -> dict[str, Any] | tupl
     return {name: jnp.array(flat[name], jnp.float32, copy=True) for name in decays_by_name(rules, list(flat))}
 
 
-def moved(old_opt_state: Any, new_opt_state: Any) -> Any:
-    """Whether a step applied an update to the params: under ``optax.MultiSteps``, whether
-    ``gradient_step`` advanced; ``None`` (always) for any other transformation."""
-    before = optax.tree_utils.tree_get(old_opt_state, "gradient_step")
-    after = optax.tree_utils.tree_get(new_opt_state, "gradient_step")
-    if before is None or after is None:
-        return None
-    return after != before
-
-
 def averaged(
     ema: Mapping[str, Any], decays: Mapping[str, Any], step: Any, new: Mapping[str, Any], applied: Any
 ) -> dict[str, Any]:
@@ -106,28 +89,24 @@ def averaged(
     ``decays``: ``{name: decay or schedule}``; ``step``: the count before the
     update, which a schedule is called with; ``new``: the exact new values.
     """
-    return _averaged(dict(ema), tuple(sorted(decays.items(), key=lambda kv: kv[0])), step, dict(new), applied)
-
-
-def _decay_at(decay: float | Callable[[Any], Any], step: Any) -> Any:
-    return jnp.asarray(decay(step) if callable(decay) else decay, jnp.float32)
-
-
-@functools.partial(jax.jit, static_argnums=1)
-def _averaged(
-    ema: dict[str, Any], decays: tuple[tuple[str, Any], ...], step: Any, new: dict[str, Any], applied: Any
-) -> dict[str, Any]:
     out = {}
-    for name, decay in decays:
-        d = _decay_at(decay, step)
+    for name, decay in decays.items():
+        d = jnp.asarray(decay(step) if callable(decay) else decay, jnp.float32)
         average = d * ema[name] + (1 - d) * jnp.asarray(new[name], jnp.float32)
         out[name] = average if applied is None else jnp.where(applied, average, ema[name])
     return out
 
 
+@functools.lru_cache(maxsize=64)
+def _decays(rules: EmaRules, names: tuple[str, ...]) -> tuple[tuple[str, Any], ...]:
+    """``decays_by_name`` as static data of the compiled average: the same rules read the same each step."""
+    return tuple(decays_by_name(rules, names).items())
+
+
 def after_update(
     ema: Mapping[str, Any],
     rules: EmaRules,
+    names: tuple[str, ...],
     step: Any,
     precision: Any,
     old_opt_state: Any,
@@ -135,29 +114,51 @@ def after_update(
     params: Mapping[str, Any] | None,
     apply_updates: bool,
 ) -> dict[str, Any]:
-    """The averages after one step (``out``, a :class:`~treeopt._step.step_io.FlatStep` by name).
+    """The averages after one step (``out``, a :class:`~treeopt._step.step_io.FlatStep` by name), in one program.
 
-    ``step`` is the count before it and ``old_opt_state`` the optax state
-    before it; ``params`` the flat params given (read with
-    ``apply_updates=False``, where the new params are the given ones plus the
-    updates).
+    ``names`` are the trained params' names; ``step`` is the count before the
+    step and ``old_opt_state`` the optax state before it; ``params`` the flat
+    params given (read with ``apply_updates=False``, where the new params are
+    the given ones plus the updates). Under ``optax.MultiSteps`` the averages
+    move only where ``gradient_step`` advanced.
     """
-    decays = _decays(rules, tuple(ema))
+    if not apply_updates and params is None:
+        missing = [name for name in ema if name not in precision.exact_values(out.precision_state, {})]
+        if missing:
+            raise ValueError(
+                f"ema= averages the new params, and this update returns only their updates without the params "
+                f"of {missing[:4]}{' ...' if len(missing) > 4 else ''}: call opt.update(grads, params, "
+                "apply_updates=False)."
+            )
+    before = optax.tree_utils.tree_get(old_opt_state, "gradient_step")
+    after = optax.tree_utils.tree_get(out.opt_state, "gradient_step")
+    return _next_averages(
+        _decays(rules, names), precision, apply_updates,
+        dict(ema), step, out.output, out.precision_state, params, before, after,
+    )  # fmt: skip
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _next_averages(
+    decays: tuple[tuple[str, Any], ...],
+    precision: Any,
+    apply_updates: bool,
+    ema: dict[str, Any],
+    step: Any,
+    output: Mapping[str, Any],
+    precision_state: Any,
+    params: Mapping[str, Any] | None,
+    before: Any,
+    after: Any,
+) -> dict[str, Any]:
     if apply_updates:
-        new = {name: out.output[name] for name in ema}
+        new = {name: output[name] for name in ema}
     elif params is not None:
         new = {
-            name: jnp.asarray(params[name], jnp.float32) + jnp.asarray(out.output[name], jnp.float32)
+            name: jnp.asarray(params[name], jnp.float32) + jnp.asarray(output[name], jnp.float32)
             for name in ema
         }
     else:
         new = {}
-    exact = precision.exact_values(out.precision_state, new)
-    missing = [name for name in ema if name not in exact]
-    if missing:
-        raise ValueError(
-            f"ema= averages the new params, and this update returns only their updates without the params "
-            f"of {missing[:4]}{' ...' if len(missing) > 4 else ''}: call opt.update(grads, params, "
-            "apply_updates=False)."
-        )
-    return averaged(ema, decays, step, exact, moved(old_opt_state, out.opt_state))
+    applied = None if before is None or after is None else after != before
+    return averaged(ema, dict(decays), step, precision.exact_values(precision_state, new), applied)
